@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Side-by-side benchmark of the offload paths on one GPU, in one run (SPEC section 7).
+
+Configurations: unpatched; vLLM's --cpu-offload-gb with the same host bytes; offload-01 (whole
+layers on host) and offload-02 (cold file). Workloads: fresh held-out prompts of every domain
+(decode speed, TPOT percentiles), and TTFT at 2k and 8k prompt tokens. Every repeat is kept.
+Host reads per token are counted from the model's planted routing of the very tokens decoded
+(exact for make-test-model checkpoints, whose routers are planted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+from . import gpu_harness as gh
+from .coldset import synthetic_cold_file
+from .testmodel import data
+from .testmodel.plant import Geometry, Plan, Planting
+
+GiB = 1 << 30
+
+
+def _plan(model: pathlib.Path) -> Plan:
+    desc = json.loads((model / "synthetic_model.json").read_text())
+    p = desc["planting"]
+    p["domains"] = tuple(p["domains"])
+    return Plan(Geometry(**desc["geometry"]), Planting(**p))
+
+
+def _gpu_name() -> str:
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def host_reads_per_token(plan: Plan, prompts, outputs, host: dict[int, set[int]]) -> float:
+    """Mean number of (layer, expert) picks per decoded token that land on host experts."""
+    reads = tokens = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        seq = np.array(prompt + out)
+        start = len(prompt) - 1  # positions whose forward produced a decoded token
+        for layer, cold in host.items():
+            picks = plan.router_topk(layer, seq)[start:-1]
+            reads += int(np.isin(picks, list(cold)).sum())
+        tokens += len(out) - 1
+    return reads / max(tokens, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="bench-offload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--model", type=pathlib.Path, required=True, help="a make-test-model INT4 checkpoint"
+    )
+    ap.add_argument(
+        "--host-experts-per-layer",
+        type=int,
+        default=64,
+        help="cold set size per layer for offload-02 (default 64 = 12.5%%)",
+    )
+    ap.add_argument("--host-layers", default="0", help="VLLM_EXPERT_HOST_LAYERS for offload-01")
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--configs", default="offload-02,offload-01,unpatched,cpu-offload-gb")
+    ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
+    args = ap.parse_args(argv)
+
+    plan = _plan(args.model)
+    cold_path = args.out.with_suffix(".cold.json")
+    cold_doc = synthetic_cold_file(args.model, cold_path, args.host_experts_per_layer)
+    cold = {int(k): set(v) for k, v in cold_doc["layers"].items()}
+    host_layers = {int(x) for x in args.host_layers.split(",") if x}
+    every = set(range(plan.geometry.num_experts))
+
+    prompts = [
+        list(next(data.conversations(plan, d, "heldout", 1, 256, seed=21)).token_ids)
+        for d in plan.planting.domains
+    ]
+    long_words = [
+        t
+        for c in data.conversations(plan, "science", "heldout", 40, 256, seed=5)
+        for t in c.token_ids
+    ]
+    tasks = [
+        {
+            "kind": "decode_timing",
+            "name": "fresh",
+            "prompts": prompts,
+            "max_tokens": args.decode_tokens,
+            "warmup": 1,
+            "repeats": args.repeats,
+        },
+        {
+            "kind": "greedy",
+            "name": "fresh_tokens",
+            "prompts": prompts,
+            "max_tokens": args.decode_tokens,
+            "prompt_logprobs": False,
+        },
+        {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
+        {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
+    ]
+    results, host_bytes = {}, None
+    for name in args.configs.split(","):
+        env, engine, patched, placed = {}, gh.engine(), True, {}
+        if name == "offload-02":
+            env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
+            placed = cold
+        elif name == "offload-01":
+            env = {"VLLM_EXPERT_HOST_LAYERS": args.host_layers}
+            placed = {x: every for x in host_layers}
+        elif name == "unpatched":
+            patched = False
+        elif name == "cpu-offload-gb":
+            if host_bytes is None:
+                raise SystemExit("cpu-offload-gb needs an offload run first (its host bytes)")
+            engine = gh.engine(cpu_offload_gb=host_bytes / GiB, cpu_offload_params=["experts"])
+            patched = False
+        else:
+            raise SystemExit(f"unknown config {name}")
+        res = gh.run_engine(
+            f"bench-{name}",
+            {"model": str(args.model), "env": env, "engine": engine, "tasks": tasks},
+            patched,
+        )
+        if name in ("offload-02", "offload-01"):
+            host_bytes = res["memory"]["expert_host_bytes"] if host_bytes is None else host_bytes
+        if name == "cpu-offload-gb":
+            placed = {
+                x: every
+                for x in range(plan.geometry.num_layers)
+                if x < round(res["memory"]["expert_host_bytes"] / (host_bytes or 1))
+            }
+        outs = [o["token_ids"] for o in res["tasks"]["fresh_tokens"]["outputs"]]
+        res["host_reads_per_token"] = host_reads_per_token(plan, prompts, outs, placed)
+        results[name] = res
+
+    base = results.get("unpatched")
+    runs = []
+    for name, res in results.items():
+        dec = res["tasks"]["fresh"]
+        mem = res["memory"]
+        total = mem["expert_gpu_bytes"] + mem["expert_host_bytes"]
+        runs.append(
+            {
+                "config": name,
+                "workload": "fresh",
+                "host_fraction": mem["expert_host_bytes"] / total if total else 0.0,
+                "decode_tok_s": dec["decode_tok_s"],
+                "tpot_ms_p50": dec["tpot_ms_p50"],
+                "tpot_ms_p90": dec["tpot_ms_p90"],
+                "ttft_ms": dec["ttft_ms"],
+                "ttft_2k_ms": res["tasks"]["ttft_2k"]["ttft_ms"],
+                "ttft_8k_ms": res["tasks"]["ttft_8k"]["ttft_ms"],
+                "host_reads_per_token": res["host_reads_per_token"],
+                "host_reads_source": "planted routing of the decoded tokens",
+                "swaps_per_token": 0.0,
+                "startup_s": res["startup_s"],
+                "peak_vram_gib": mem["device_used_bytes"] / GiB,
+                "peak_host_gib": mem["host_peak_rss_bytes"] / GiB,
+                "expert_host_gib": mem["expert_host_bytes"] / GiB,
+                "expert_gpu_gib": mem["expert_gpu_bytes"] / GiB,
+                "itl_samples": dec["itl_samples"],
+                "decode_vs_unpatched": (
+                    np.median(dec["decode_tok_s"])
+                    / np.median(base["tasks"]["fresh"]["decode_tok_s"])
+                    if base
+                    else None
+                ),
+            }
+        )
+    doc = {
+        "suite": "offload-01-02",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "gpu": _gpu_name(),
+        "command": "scripts/bench-offload " + " ".join(sys.argv[1:] if argv is None else argv),
+        "model": {
+            "path": args.model.name,
+            "geometry": plan.geometry.__dict__,
+            "quantization": "gptq-int4 (Marlin MoE)",
+            "host_experts_per_layer": args.host_experts_per_layer,
+        },
+        "engine": gh.BASE_ENGINE,
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    gh.log(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Cold files: which experts of each layer live in host memory (format: cold/README.md and the
+docstring of vLLM's fused_moe/expert_offload/cold_file.py, which validates them at start-up)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+
+FORMAT = "vllm-expert-offload/cold-set"
+VERSION = 1
+
+
+def model_identity(model_dir: pathlib.Path) -> dict[str, Any]:
+    """What a cold file records about the model it was made for, from its config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return {
+        "name": model_dir.name,
+        "revision": cfg.get("_commit_hash"),
+        "architecture": (cfg.get("architectures") or [None])[0],
+        "num_layers": text["num_hidden_layers"],
+        "num_experts": text.get("num_experts") or text.get("n_routed_experts"),
+    }
+
+
+def least_used(counts: np.ndarray, per_layer: int) -> dict[int, list[int]]:
+    """Per layer, the `per_layer` experts with the fewest picks (ties: lower id first)."""
+    return {
+        layer: sorted(int(e) for e in np.argsort(row, kind="stable")[:per_layer])
+        for layer, row in enumerate(counts)
+    }
+
+
+def write_cold_file(
+    path: pathlib.Path,
+    layers: dict[int, list[int]],
+    model: dict[str, Any],
+    provenance: dict[str, Any],
+    budget: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model,
+        "budget": budget,
+        "provenance": {
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            **provenance,
+        },
+        "layers": {str(k): v for k, v in sorted(layers.items()) if v},
+    }
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def synthetic_cold_file(model_dir: pathlib.Path, out: pathlib.Path, per_layer: int) -> dict:
+    """The least-used `per_layer` experts of every layer of a make-test-model checkpoint, from
+    counts of its planted routers over every domain's calibration split (normalised per data
+    set, then added: SPEC section 4). Exact for these models: their routing is planted."""
+    from .testmodel.data import conversations
+    from .testmodel.plant import Geometry, Plan, Planting
+    from .testmodel.stats import count_picks, normalised_mix, streams
+
+    desc = json.loads((model_dir / "synthetic_model.json").read_text())
+    planting = desc["planting"]
+    planting["domains"] = tuple(planting["domains"])
+    plan = Plan(Geometry(**desc["geometry"]), Planting(**planting))
+    per_set = []
+    for domain in plan.planting.domains:
+        convs = conversations(plan, domain, "calibration", 16, 256)
+        per_set.append(count_picks(plan, streams(plan, convs, 128)))
+    mixed = normalised_mix(per_set)
+    return write_cold_file(
+        out,
+        least_used(mixed, per_layer),
+        model_identity(model_dir),
+        {
+            "tool": "eotools.coldset.synthetic_cold_file",
+            "data": [
+                f"{d}.calibration (16 x 256 words + 128 decoded)" for d in plan.planting.domains
+            ],
+            "counts": "planted-router simulation (the model's routing is planted)",
+            "selection": f"least-used {per_layer} per layer by normalised mixed counts",
+        },
+    )

@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Run one vLLM engine configuration in this process and record what it did.
+
+    python3 -m eotools.engine_probe CONFIG.json RESULT.json
+
+Each configuration runs in its own process (GPU tests and benchmarks start one per config), so
+environment variables such as VLLM_EXPERT_COLD_FILE are set before vLLM is imported and every
+engine starts clean. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+so the probe can also look at the loaded model: where its expert bytes live, and VRAM use.
+
+CONFIG: {"model": path, "env": {...}, "engine": {LLM keyword arguments},
+         "tasks": [{"kind": "greedy" | "decode_timing" | "ttft", ...}, ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+GiB = 1 << 30
+
+
+def _vm_hwm_bytes() -> int:
+    """Peak resident memory of this process (anonymous + file + shared, pinned included)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _expert_placement(model) -> dict[str, Any]:
+    """Bytes of routed-expert parameters on the GPU and in host memory (UVA arenas)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    gpu = host = 0
+    layers = 0
+    methods, kernels = set(), set()
+    for m in model.modules():
+        if not isinstance(m, RoutedExperts):
+            continue
+        layers += 1
+        methods.add(type(m.quant_method).__name__)
+        kernel = getattr(m.quant_method, "moe_kernel", None)
+        if kernel is not None:
+            kernels.add(type(getattr(kernel, "fused_experts", kernel)).__name__)
+        tables = [m]
+        if "host_experts" in m.__dict__:
+            tables.append(m.__dict__["host_experts"])
+        for t in tables:
+            arena = getattr(t, "_expert_offload_arena", None)
+            size = sum(p.numel() * p.element_size() for p in t.parameters())
+            uva = any(getattr(p, "_vllm_is_uva_offloaded", False) for p in t.parameters())
+            if arena is not None or uva:
+                host += size
+            else:
+                gpu += size
+    return {
+        "moe_layers": layers,
+        "expert_gpu_bytes": gpu,
+        "expert_host_bytes": host,
+        "moe_methods": sorted(methods),
+        "moe_kernels": sorted(kernels),
+    }
+
+
+def _greedy(llm, task: dict) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=task["max_tokens"],
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=1,
+        prompt_logprobs=0 if task.get("prompt_logprobs", True) else None,
+    )
+    prompts = [{"prompt_token_ids": p} for p in task["prompts"]]
+    conc = task.get("concurrency", 1)
+    outs = []
+    for i in range(0, len(prompts), conc):
+        outs += llm.generate(prompts[i : i + conc], params, use_tqdm=False)
+    results = []
+    for o in outs:
+        c = o.outputs[0]
+        lp = [step[t].logprob for step, t in zip(c.logprobs, c.token_ids, strict=True)]
+        plp = None
+        if o.prompt_logprobs is not None:
+            plp = [
+                None if d is None else d[t].logprob
+                for d, t in zip(o.prompt_logprobs, o.prompt_token_ids, strict=True)
+            ]
+        row = {"token_ids": list(c.token_ids), "logprobs": lp, "prompt_logprobs": plp}
+        if task.get("routed_experts") and c.routed_experts is not None:
+            row["routed_experts"] = c.routed_experts.astype("int32").tolist()
+        results.append(row)
+    return {"outputs": results}
+
+
+def _decode_timing(llm, task: dict) -> dict:
+    """Per-token timestamps of one stream at a time, by stepping the engine (SPEC section 7:
+    TTFT = t1 - t0, TPOT = (tN - t1) / (N - 1), decode speed = (N - 1) / (tN - t1))."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(
+        temperature=0.0, max_tokens=task["max_tokens"], ignore_eos=True, detokenize=False
+    )
+    runs = []
+    for rep in range(task.get("warmup", 1) + task.get("repeats", 3)):
+        for pi, prompt in enumerate(task["prompts"]):
+            rid = f"t{rep}-{pi}"
+            t0 = time.perf_counter()
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            stamps, seen = [], 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    n = len(out.outputs[0].token_ids)
+                    now = time.perf_counter()
+                    stamps += [now] * (n - seen)
+                    seen = n
+            if rep < task.get("warmup", 1):
+                continue
+            n = len(stamps)
+            itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            runs.append(
+                {
+                    "repeat": rep,
+                    "prompt": pi,
+                    "tokens": n,
+                    "ttft_ms": (stamps[0] - t0) * 1e3,
+                    "decode_tok_s": (n - 1) / (stamps[-1] - stamps[0]),
+                    "tpot_ms": (stamps[-1] - stamps[0]) / (n - 1) * 1e3,
+                    "itl_ms": [x * 1e3 for x in itl],
+                }
+            )
+    itl_all = sorted(x for r in runs for x in r["itl_ms"])
+
+    def pct(p: float) -> float:
+        return itl_all[min(len(itl_all) - 1, int(p * len(itl_all)))]
+
+    per_repeat = {}
+    for r in runs:
+        per_repeat.setdefault(r["repeat"], []).append(r)
+    decode_by_repeat = [
+        sum(x["tokens"] - 1 for x in rs) / sum((x["tokens"] - 1) / x["decode_tok_s"] for x in rs)
+        for _, rs in sorted(per_repeat.items())
+    ]
+    return {
+        "runs": [{k: v for k, v in r.items() if k != "itl_ms"} for r in runs],
+        "decode_tok_s": decode_by_repeat,
+        "tpot_ms_p50": pct(0.5),
+        "tpot_ms_p90": pct(0.9),
+        "itl_samples": len(itl_all),
+        "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+    }
+
+
+def _ttft(llm, task: dict) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
+    times = []
+    for rep in range(1 + task.get("repeats", 3)):
+        # a different first token each time defeats prefix caching
+        prompt = [task["prompt"][(rep + 1) % len(task["prompt"])]] + task["prompt"][1:]
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        if rep:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"ttft_ms": times, "prompt_tokens": len(task["prompt"])}
+
+
+TASKS = {"greedy": _greedy, "decode_timing": _decode_timing, "ttft": _ttft}
+
+
+def run(config: dict) -> dict:
+    os.environ.update({k: str(v) for k, v in config.get("env", {}).items()})
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import torch
+    from vllm import LLM
+
+    result: dict[str, Any] = {"config": config.get("name"), "tasks": {}}
+    t0 = time.perf_counter()
+    llm = LLM(model=config["model"], **config.get("engine", {}))
+    result["startup_s"] = time.perf_counter() - t0
+    placement = llm.apply_model(_expert_placement)[0]
+    free, total = torch.cuda.mem_get_info()
+    result["memory"] = {
+        **placement,
+        "torch_allocated_bytes": torch.cuda.memory_allocated(),
+        "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "device_used_bytes": total - free,
+        "host_peak_rss_bytes_after_load": _vm_hwm_bytes(),
+    }
+    for task in config.get("tasks", []):
+        t = time.perf_counter()
+        result["tasks"][task["name"]] = TASKS[task["kind"]](llm, task)
+        result["tasks"][task["name"]]["wall_s"] = time.perf_counter() - t
+    result["memory"]["host_peak_rss_bytes"] = _vm_hwm_bytes()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        config = json.load(f)
+    result = run(config)
+    with open(argv[1], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Shared by GPU tests and benchmarks: test models, cold files and engine runs on a GPU host.
+
+Engine runs go through eotools.engine_probe in a fresh process per configuration, with the
+unpatched or the patched vLLM first on PYTHONPATH:
+
+- EO_VLLM_SITE: site folder with the pinned vLLM and its dependencies (unpatched);
+- EO_VLLM_PATCHED: a folder holding only a patched copy of its ``vllm/`` package;
+- EO_GPU_WORK: where models, cold files and results are cached (default /tmp/eo-gpu).
+
+Results are cached by configuration, so tests that need the same run share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1]
+WORK = pathlib.Path(os.environ.get("EO_GPU_WORK", "/tmp/eo-gpu"))
+
+# Engine settings every run shares: CUDA graphs on (few capture sizes keep start-up short),
+# the Triton attention backend (the GPU host's bundle has no flash-attention kernels), a fixed
+# KV cache so VRAM numbers compare across configurations.
+BASE_ENGINE = {
+    "attention_backend": "TRITON_ATTN",
+    "max_model_len": 10240,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 2048,
+    "kv_cache_memory_bytes": 4 << 30,
+    "enable_prefix_caching": False,
+    "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4]},
+    "kernel_config": {"enable_jit_warmup": False, "enable_flashinfer_autotune": False},
+    "seed": 0,
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def make_model(name: str, *args: str) -> pathlib.Path:
+    """A make-test-model checkpoint under WORK/models/<name>, made once."""
+    out = WORK / "models" / name
+    done = out / ".complete"
+    if not done.exists():
+        log(f"making test model {name}: {' '.join(args)}")
+        cmd = [sys.executable, str(SCRIPTS / "make-test-model"), str(out), "--force", *args]
+        subprocess.run(cmd, check=True)
+        done.write_text("ok\n")
+    return out
+
+
+def engine_env(patched: bool) -> dict[str, str]:
+    site = os.environ.get("EO_VLLM_SITE", "")
+    paths = [str(SCRIPTS)]
+    if patched:
+        p = os.environ.get("EO_VLLM_PATCHED")
+        if not p:
+            raise RuntimeError("EO_VLLM_PATCHED is not set: no patched vLLM to run")
+        paths.append(p)
+    if site:
+        paths.append(site)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_EXPERT")}
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_engine(name: str, config: dict, patched: bool, timeout: float = 900) -> dict:
+    """Run (or fetch the cached result of) one engine configuration."""
+    config = {"name": name, **config, "patched": patched}
+    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+    out_dir = WORK / "runs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result_file = out_dir / f"{name}-{key}.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    cfg_file = out_dir / f"{name}-{key}.config.json"
+    cfg_file.write_text(json.dumps(config))
+    log_file = out_dir / f"{name}-{key}.log"
+    log(f"engine run {name} ({'patched' if patched else 'unpatched'}) -> {log_file}")
+    t0 = time.time()
+    with open(log_file, "w") as lf:
+        r = subprocess.run(
+            [sys.executable, "-m", "eotools.engine_probe", str(cfg_file), str(result_file)],
+            env=engine_env(patched),
+            stdout=lf,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    if r.returncode != 0:
+        tail = log_file.read_text()[-3000:]
+        raise RuntimeError(f"engine run {name} failed (exit {r.returncode}):\n{tail}")
+    log(f"engine run {name} done in {time.time() - t0:.0f} s")
+    result = json.loads(result_file.read_text())
+    result["log_file"] = str(log_file)
+    return result
+
+
+def engine(**overrides) -> dict:
+    out = dict(BASE_ENGINE)
+    out.update(overrides)
+    return out

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Command line of scripts/make-test-model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+from .checkpoint import prepare_dir, write
+from .plant import Geometry, Plan, Planting
+from .stats import calibration_report
+
+PRESETS = {
+    # the target model's expert geometry (SPEC section 1) with fewer layers
+    "target": Geometry(),
+    # small enough for CPU tests; same experts, top-k and planted routing as "target"
+    "tiny": Geometry(
+        hidden_size=256,
+        moe_intermediate_size=128,
+        num_layers=4,
+        vocab_size=4096,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+    ),
+}
+
+EPILOG = """exit codes: 0 written; 1 bad arguments or geometry; 2 usage; 3 output directory
+not empty (use --force); 4 writing failed.
+
+The router picks of this model are planted (see scripts/eotools/testmodel/plant.py and
+tests/README.md): skewed expert popularity, domains and topics with preferred experts, and
+conversation locality. --report prints the simulated reference statistics."""
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="make-test-model",
+        description="Write a synthetic Qwen3-MoE checkpoint (Hugging Face format) that vLLM "
+        "loads: INT4 GPTQ experts (Marlin MoE path) or BF16 (Triton MoE path), a local "
+        "tokenizer, and prompt data sets per domain.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("out", type=pathlib.Path, help="output directory")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="target")
+    ap.add_argument("--quant", choices=("int4", "bf16"), default="int4")
+    ap.add_argument("--layers", type=int, help="number of layers (preset: target 8, tiny 4)")
+    ap.add_argument("--hidden-size", type=int)
+    ap.add_argument("--experts", type=int, help="routed experts per layer (default 512)")
+    ap.add_argument("--top-k", type=int, help="experts per token (default 10)")
+    ap.add_argument("--expert-width", type=int, help="moe_intermediate_size (default 640)")
+    ap.add_argument("--vocab-size", type=int)
+    ap.add_argument("--seed", type=int, default=0, help="planting seed (default 0)")
+    ap.add_argument(
+        "--device",
+        default="auto",
+        help="where to draw random weights: auto, cpu, "
+        "cuda (only speed differs; the planted structure is the same)",
+    )
+    ap.add_argument("--prompts", type=int, default=32, help="prompts per domain and split")
+    ap.add_argument("--prompt-words", type=int, default=256)
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="simulate and print the routing statistics (stored in the model too)",
+    )
+    ap.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    return ap.parse_args(argv)
+
+
+def geometry_from(args: argparse.Namespace) -> Geometry:
+    overrides = {
+        "num_layers": args.layers,
+        "hidden_size": args.hidden_size,
+        "num_experts": args.experts,
+        "top_k": args.top_k,
+        "moe_intermediate_size": args.expert_width,
+        "vocab_size": args.vocab_size,
+    }
+    return dataclasses.replace(
+        PRESETS[args.preset], **{k: v for k, v in overrides.items() if v is not None}
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        plan = Plan(geometry_from(args), Planting(seed=args.seed))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        prepare_dir(args.out, args.force)
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+
+    report = None
+    if args.report:
+        report = calibration_report(plan)
+        print(json.dumps(report, indent=2))
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress lines instead of a bar
+        tqdm = None
+    n = plan.geometry.num_layers + 1
+    bar = tqdm(total=n, unit="shard", desc="writing") if tqdm else None
+
+    def progress(done: int, what: str) -> None:
+        if bar:
+            bar.set_postfix_str(what)
+            bar.update(1)
+        else:
+            print(f"[{done}/{n}] {what}", file=sys.stderr)
+
+    t0 = time.time()
+    try:
+        write(plan, args.out, args.quant, device, args.prompts, args.prompt_words, report, progress)
+    except (OSError, RuntimeError, ValueError) as e:
+        print(f"error: writing {args.out} failed: {e}", file=sys.stderr)
+        return 4
+    if bar:
+        bar.close()
+    print(
+        f"wrote {args.out} ({args.quant}, {plan.geometry.num_layers} layers) "
+        f"in {time.time() - t0:.1f} s",
+        file=sys.stderr,
+    )
+    return 0

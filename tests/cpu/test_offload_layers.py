@@ -1,0 +1,417 @@
+# SPDX-License-Identifier: Apache-2.0
+"""offload-01/02 inside the patched vLLM on the CPU: how layers are built with a cold file or
+host layers, how checkpoint experts reach their table, the expert maps, unchanged parameter
+names, start-up errors, and the weight_loader closure leak.
+
+    scripts/test tests/cpu/test_offload_layers.py
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import weakref
+
+import pytest
+import torch
+
+E, K, HIDDEN, WIDTH = 16, 4, 64, 32
+PREFIX = "model.layers.{}.mlp.experts"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+        )
+        initialize_model_parallel(1, 1)
+        yield config
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+@pytest.fixture(autouse=True)
+def clean_offload_env(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload import planner, processing
+
+    monkeypatch.delenv("VLLM_EXPERT_COLD_FILE", raising=False)
+    monkeypatch.delenv("VLLM_EXPERT_HOST_LAYERS", raising=False)
+    planner.reset_planner()
+    processing.records.clear()
+    yield
+    planner.reset_planner()
+    processing.records.clear()
+
+
+def cold_file(tmp_path: pathlib.Path, layers: dict, **model) -> str:
+    doc = {
+        "format": "vllm-expert-offload/cold-set",
+        "version": 1,
+        "model": {"name": "unit", "num_experts": E, **model},
+        "layers": {str(k): v for k, v in layers.items()},
+    }
+    path = tmp_path / "cold.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def build(layer: int, **env: str):
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.expert_offload import planner
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    # several tests build the same layer; vLLM refuses a layer name it has seen
+    get_current_vllm_config().compilation_config.static_forward_context.pop(
+        PREFIX.format(layer), None
+    )
+    for k, v in env.items():
+        os.environ[k] = v
+    planner.reset_planner()
+    try:
+        return FusedMoEFactory(
+            num_experts=E,
+            top_k=K,
+            hidden_size=HIDDEN,
+            intermediate_size=WIDTH,
+            params_dtype=torch.bfloat16,
+            prefix=PREFIX.format(layer),
+        )
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+
+
+def checkpoint(prefix_layer: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Per-expert checkpoint tensors whose every value is the expert's id."""
+    out = []
+    for e in range(E):
+        for proj, shape in (
+            ("gate_proj", (WIDTH, HIDDEN)),
+            ("up_proj", (WIDTH, HIDDEN)),
+            ("down_proj", (HIDDEN, WIDTH)),
+        ):
+            out.append((f"{e}.{proj}.weight", torch.full(shape, float(e), dtype=torch.bfloat16)))
+    return out
+
+
+# ---- construction ------------------------------------------------------------------------------
+def test_cold_file_builds_two_tables_with_complementary_maps(vllm_cpu, tmp_path):
+    from vllm.model_executor.layers.fused_moe.expert_offload.split import SplitRoutedExperts
+
+    cold = [1, 5, 6, 15]
+    upstream = build(2)
+    runner = build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: cold}))
+    gpu = runner.routed_experts
+    assert isinstance(gpu, SplitRoutedExperts)
+    host = gpu.host_experts
+    gpu_rows = [e for e in range(E) if e not in cold]
+    assert gpu.expert_map.tolist() == [gpu_rows.index(e) if e in gpu_rows else -1 for e in range(E)]
+    assert host.expert_map.tolist() == [cold.index(e) if e in cold else -1 for e in range(E)]
+    assert gpu.local_num_experts == E - len(cold) and host.local_num_experts == len(cold)
+
+    # parameter names and module tree exactly upstream's; only the rows differ
+    names = [n for n, _ in runner.named_parameters()]
+    assert names == [n for n, _ in upstream.named_parameters()]
+    assert [n for n, _ in runner.named_modules()] == [n for n, _ in upstream.named_modules()]
+    assert list(runner.state_dict()) == list(upstream.state_dict())
+    assert runner.routed_experts.w13_weight.shape[0] == E - len(cold)
+    assert host.w13_weight.shape[0] == len(cold)
+    assert all(p.device.type == "cpu" for p in host.parameters())
+
+
+def test_layers_absent_from_the_cold_file_keep_every_expert(vllm_cpu, tmp_path):
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    runner = build(3, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: [1]}))
+    assert type(runner.routed_experts) is RoutedExperts
+    assert runner.routed_experts.expert_map is None
+
+
+def test_host_layers_and_a_fully_cold_layer_use_the_whole_layer_path(vllm_cpu, tmp_path):
+    from vllm.model_executor.layers.fused_moe.expert_offload.whole_layer import (
+        HostLayerExperts,
+    )
+
+    runner = build(4, VLLM_EXPERT_HOST_LAYERS="0-1,4")
+    assert isinstance(runner.routed_experts, HostLayerExperts)
+    assert runner.routed_experts.w13_weight.shape[0] == E
+    assert runner.routed_experts.expert_map is None
+    full = build(5, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {5: list(range(E))}))
+    assert isinstance(full.routed_experts, HostLayerExperts)
+
+
+def test_loading_sends_every_checkpoint_expert_to_its_table(vllm_cpu, tmp_path):
+    cold = [0, 7, 8]
+    runner = build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: cold}))
+    weights = checkpoint()
+    loaded = list(runner.load_weights(iter(weights)))
+    assert len(loaded) == len(weights)  # vLLM's loaded-weight bookkeeping sees every tensor
+    gpu, host = runner.routed_experts, runner.routed_experts.host_experts
+    gpu_rows = [e for e in range(E) if e not in cold]
+    assert gpu.w13_weight[:, 0, 0].tolist() == gpu_rows
+    assert gpu.w2_weight[:, 0, 0].tolist() == gpu_rows
+    assert host.w13_weight[:, 0, 0].tolist() == cold
+    assert host.w13_weight[:, WIDTH, 0].tolist() == cold  # up_proj half of w13
+    assert host.w2_weight[:, 0, 0].tolist() == cold
+
+
+# ---- start-up errors -------------------------------------------------------------------------
+def planner_for(
+    tmp_path,
+    layers=None,
+    host_layers=frozenset(),
+    num_layers=8,
+    arch="Qwen3MoeForCausalLM",
+    model=None,
+):
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import OffloadSettings
+    from vllm.model_executor.layers.fused_moe.expert_offload.planner import (
+        ModelFacts,
+        OffloadPlanner,
+    )
+
+    path = cold_file(tmp_path, layers, **(model or {})) if layers is not None else None
+    facts = ModelFacts("/models/qwen-test", num_layers, architecture=arch)
+    return OffloadPlanner(OffloadSettings(frozenset(host_layers), path), facts)
+
+
+def error_of(fn):
+    from vllm.model_executor.layers.fused_moe.expert_offload import ExpertOffloadError
+
+    with pytest.raises(ExpertOffloadError) as e:
+        fn()
+    return str(e.value)
+
+
+def test_cold_file_for_another_model_is_refused(tmp_path):
+    msg = error_of(lambda: planner_for(tmp_path, {1: [2]}, model={"num_layers": 48}))
+    assert "48 layers" in msg and "has 8" in msg and "select-cold-set" in msg
+    msg = error_of(
+        lambda: planner_for(tmp_path, {1: [2]}, model={"architecture": "DeepseekV3ForCausalLM"})
+    )
+    assert "DeepseekV3ForCausalLM" in msg and "Qwen3MoeForCausalLM" in msg
+
+
+def test_cold_file_with_another_expert_count_is_refused(vllm_cpu, tmp_path):
+    path = tmp_path / "cold.json"
+    path.write_text(
+        json.dumps(
+            {
+                "format": "vllm-expert-offload/cold-set",
+                "version": 1,
+                "model": {"num_experts": 128},
+                "layers": {"2": [3]},
+            }
+        )
+    )
+    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=str(path)))
+    assert "128 experts per layer" in msg and f"has {E}" in msg
+
+
+def test_cold_file_layer_or_expert_out_of_range_or_duplicated(tmp_path):
+    msg = error_of(lambda: planner_for(tmp_path, {8: [1]}))
+    assert "layer(s) 8" in msg and "0-7" in msg
+    msg = error_of(lambda: planner_for(tmp_path, {1: [3, E]}))
+    assert f"[{E}]" in msg and f"0-{E - 1}" in msg
+    msg = error_of(lambda: planner_for(tmp_path, {1: [3, 4, 3]}))
+    assert "[3]" in msg and "more than once" in msg
+    msg = error_of(lambda: planner_for(tmp_path, {1: [-1]}))
+    assert "outside" in msg
+
+
+def test_broken_cold_files_are_refused(tmp_path):
+    from vllm.model_executor.layers.fused_moe.expert_offload.cold_file import load_cold_file
+
+    bad = tmp_path / "bad.json"
+    for text, words in (
+        ("{not json", "not readable as JSON"),
+        (json.dumps({"format": "x"}), "not a cold file"),
+        (json.dumps({"format": "vllm-expert-offload/cold-set", "version": 9}), "version 9"),
+        (
+            json.dumps(
+                {
+                    "format": "vllm-expert-offload/cold-set",
+                    "version": 1,
+                    "model": {"num_experts": 4},
+                    "layers": {"x": [1]},
+                }
+            ),
+            "not a layer number",
+        ),
+    ):
+        bad.write_text(text)
+        assert words in error_of(lambda: load_cold_file(str(bad)))
+    assert "no such file" in error_of(lambda: load_cold_file(str(tmp_path / "missing.json")))
+
+
+def test_host_layers_that_do_not_exist_are_refused(tmp_path):
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import parse_layer_list
+
+    msg = error_of(lambda: planner_for(tmp_path, host_layers={3, 9, 10}))
+    assert "9-10" in msg and "8 layers (0-7)" in msg
+    assert parse_layer_list("0-2, 5,7-7") == {0, 1, 2, 5, 7}
+    assert "runs backwards" in error_of(lambda: parse_layer_list("5-3"))
+    assert "cannot read 'x'" in error_of(lambda: parse_layer_list("1,x"))
+
+
+def test_a_layer_in_both_lists_is_refused(tmp_path):
+    msg = error_of(lambda: planner_for(tmp_path, {2: [1]}, host_layers={2}))
+    assert "also in VLLM_EXPERT_HOST_LAYERS" in msg
+
+
+def test_host_budget_beyond_available_memory_is_refused(vllm_cpu, tmp_path, monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_memory", lambda: (1000, "a test limit"))
+    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: [1, 2]})))
+    assert "GiB of host memory" in msg and "a test limit" in msg and "smaller cold set" in msg
+
+
+def test_cold_budget_smaller_than_the_bytes_is_refused(vllm_cpu, tmp_path):
+    path = tmp_path / "cold.json"
+    path.write_text(
+        json.dumps(
+            {
+                "format": "vllm-expert-offload/cold-set",
+                "version": 1,
+                "model": {"num_experts": E},
+                "budget": {"pipeline_parallel_size": 1, "gib_per_stage": [1e-9]},
+                "layers": {"2": [1, 2, 3]},
+            }
+        )
+    )
+    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=str(path)))
+    assert "budget" in msg and "another model, quantisation or pipeline split" in msg
+
+
+def test_unsupported_quantisation_is_refused(vllm_cpu, tmp_path, monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload import config
+
+    monkeypatch.setattr(config, "SUPPORTED_QUANT_METHODS", ("AutoGPTQMoEMethod",))
+    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: [1]})))
+    assert "UnquantizedFusedMoEMethod" in msg and "does not support" in msg
+
+
+# ---- processing, the closure leak, start-up lines -----------------------------------------------
+def fake_repack(module):
+    """What a repack does to the parameters: replace them with new tensors (vLLM's
+    replace_parameter registers new Parameters when the type differs)."""
+    from vllm.model_executor.layers.quantization.utils import replace_parameter
+
+    for name in ("w13_weight", "w2_weight"):
+        replace_parameter(module, name, getattr(module, name).data.clone() * 2)
+
+
+def leak_probe(cold_path: str) -> str:
+    """Load a split layer the way vLLM does (reload metadata recorded right after the model is
+    built), repack, and say whether the host table's load-format tensors are still alive."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import (
+        process_weights_after_loading,
+    )
+    from vllm.model_executor.model_loader.reload import record_metadata_for_reloading
+
+    runner = build(2, VLLM_EXPERT_COLD_FILE=cold_path)
+    record_metadata_for_reloading(runner)
+    list(runner.load_weights(iter(checkpoint())))
+    host = runner.routed_experts.host_experts
+    old = [weakref.ref(host.w13_weight), weakref.ref(host.w2_weight)]
+    host.quant_method.process_weights_after_loading = fake_repack
+    runner.routed_experts.quant_method.process_weights_after_loading = fake_repack
+    assert process_weights_after_loading(runner.routed_experts, torch.device("cpu"))
+    assert host.w13_weight[:, 0, 0].tolist() == [2.0, 10.0]  # the repacked host table
+    gc.collect()
+    return "alive" if any(r() is not None for r in old) else "freed"
+
+
+def test_load_format_copies_are_freed_after_repack(vllm_cpu, tmp_path):
+    assert leak_probe(cold_file(tmp_path, {2: [1, 5]})) == "freed"
+
+
+def test_the_leak_test_fails_on_the_code_before_the_fix(tmp_path, repo_root):
+    """The same probe against the series up to offload-02 (without the fix) finds the leak."""
+    series = (repo_root / "patches/series").read_text().split()
+    patches = [x for x in series if x.endswith(".patch")]
+    fix = next(i for i, p in enumerate(patches) if "load-format" in p)
+    pre = tmp_path / "pre-fix-patches"
+    pre.mkdir()
+    for p in patches[:fix]:
+        (pre / p).write_bytes((repo_root / "patches" / p).read_bytes())
+    (pre / "series").write_text("\n".join(patches[:fix]) + "\n")
+    tree = tmp_path / "tree"
+    subprocess.run(
+        [str(repo_root / "scripts/vllm-tree"), "--no-series", str(tree)],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [str(repo_root / "scripts/apply-patches.sh"), "--patches", str(pre), str(tree)],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n"
+        "import test_offload_layers as t, contextlib\n"
+        "gen = t.vllm_cpu.__wrapped__()\nnext(gen)\n"
+        f"print('RESULT', t.leak_probe({cold_file(tmp_path, {2: [1, 5]})!r}))\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{tree}{os.pathsep}{repo_root / 'scripts'}",
+        "VLLM_TARGET_DEVICE": "cpu",
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "RESULT alive" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_startup_lines_say_where_the_experts_are(vllm_cpu, tmp_path):
+    from vllm.model_executor.layers.fused_moe import expert_offload
+
+    runner = build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: [1, 5, 9]}))
+    other = build(3)
+    list(runner.load_weights(iter(checkpoint())))
+    runner.routed_experts.quant_method.process_weights_after_loading = fake_repack
+    runner.routed_experts.host_experts.quant_method.process_weights_after_loading = fake_repack
+    expert_offload.process_weights_after_loading(runner.routed_experts, torch.device("cpu"))
+    model = torch.nn.ModuleDict({"a": runner, "b": other})
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    log = logging.getLogger("vllm.model_executor.layers.fused_moe.expert_offload.processing")
+    log.addHandler(handler)
+    try:
+        expert_offload.log_summary(model)
+    finally:
+        log.removeHandler(handler)
+    text = "\n".join(records)
+    assert "split experts (VLLM_EXPERT_COLD_FILE)" in text and "1 of 2 MoE layers" in text
+    assert "GiB in host memory" in text and "GiB in VRAM" in text
+    assert f"min/median/max = 0/1.5/3 of {E}" in text

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU test fixtures: synthetic checkpoints, cold files and engine runs (eotools.gpu_harness).
+
+Run on a GPU host (README.md, "GPU tests"); every test here is marked `gpu`."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+from eotools import gpu_harness as gh
+from eotools.testmodel import data
+from eotools.testmodel.plant import Geometry, Plan, Planting
+
+INT4_LAYERS = int(os.environ.get("EO_GPU_LAYERS", "8"))
+HOST_EXPERTS_PER_LAYER = 64  # 12.5% of 512: one layer's worth over eight layers
+
+
+def plan_of(model: pathlib.Path) -> Plan:
+    desc = json.loads((model / "synthetic_model.json").read_text())
+    planting = desc["planting"]
+    planting["domains"] = tuple(planting["domains"])
+    return Plan(Geometry(**desc["geometry"]), Planting(**planting))
+
+
+def heldout_prompts(plan: Plan, words: int = 256) -> list[list[int]]:
+    """One held-out conversation per domain (token ids; no chat template)."""
+    return [
+        list(next(data.conversations(plan, d, "heldout", 1, words, seed=11)).token_ids)
+        for d in plan.planting.domains
+    ]
+
+
+@pytest.fixture(scope="session")
+def int4_model() -> pathlib.Path:
+    return gh.make_model(f"target-int4-{INT4_LAYERS}l", "--layers", str(INT4_LAYERS))
+
+
+@pytest.fixture(scope="session")
+def bf16_model() -> pathlib.Path:
+    return gh.make_model("target-bf16-2l", "--layers", "2", "--quant", "bf16")
+
+
+@pytest.fixture(scope="session")
+def int4_cold_file(int4_model) -> pathlib.Path:
+    from eotools.coldset import synthetic_cold_file
+
+    out = gh.WORK / f"cold-{int4_model.name}.json"
+    if not out.exists():
+        synthetic_cold_file(int4_model, out, HOST_EXPERTS_PER_LAYER)
+    return out
+
+
+@pytest.fixture(scope="session")
+def bf16_cold_file(bf16_model) -> pathlib.Path:
+    from eotools.coldset import synthetic_cold_file
+
+    out = gh.WORK / f"cold-{bf16_model.name}.json"
+    if not out.exists():
+        synthetic_cold_file(bf16_model, out, HOST_EXPERTS_PER_LAYER)
+    return out

@@ -1,0 +1,185 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What vLLM 0.29.0's MoE kernels do with expert ids that map to -1, and that a split layer
+(offload-02: GPU table + host table, each with -1 for the other's experts) computes exactly
+what the unsplit layer computes. Marlin (GPTQ INT4) and the unquantised (BF16) path.
+
+    PYTHONPATH=scripts:$EO_VLLM_PATCHED:$EO_VLLM_SITE python3 -m pytest \\
+        tests/gpu/test_expert_map_kernels.py -m gpu -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from eotools import gpu_harness as gh
+from eotools.testmodel import gptq
+
+pytestmark = pytest.mark.gpu
+
+H, N, GROUP = 2560, 640, 128
+PREFIX = "model.layers.1.mlp.experts"
+
+
+@pytest.fixture(scope="module")
+def vllm_context():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        destroy_distributed_environment,
+        destroy_model_parallel,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="nccl",
+            distributed_init_method="tcp://127.0.0.1:29533",
+        )
+        initialize_model_parallel(1, 1)
+        yield config
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _checkpoint(num_experts: int, quant: str, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Per-expert checkpoint tensors (what a safetensors file holds) with random values."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for e in range(num_experts):
+        for proj, (n_in, n_out) in (
+            ("gate_proj", (H, N)),
+            ("up_proj", (H, N)),
+            ("down_proj", (N, H)),
+        ):
+            if quant == "int4":
+                q = torch.randint(1, 16, (n_in, n_out), generator=g)
+                s = (torch.rand(n_in // GROUP, n_out, generator=g) + 0.5) / (4.3 * n_in**0.5)
+                out += [
+                    (f"{e}.{proj}.qweight", gptq.pack_rows(q)),
+                    (f"{e}.{proj}.scales", s.half()),
+                    (f"{e}.{proj}.qzeros", gptq.qzeros(n_in, n_out, GROUP)),
+                    (f"{e}.{proj}.g_idx", gptq.g_idx(n_in, GROUP)),
+                ]
+            else:
+                w = torch.randn(n_out, n_in, generator=g) / n_in**0.5
+                out.append((f"{e}.{proj}.weight", w.bfloat16()))
+    return out
+
+
+def _build(num_experts, top_k, quant, weights, cold_ids, tmp_path):
+    from vllm.model_executor.layers.fused_moe import expert_offload
+    from vllm.model_executor.layers.fused_moe.expert_offload import planner
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+
+    os.environ.pop("VLLM_EXPERT_COLD_FILE", None)
+    if cold_ids is not None:
+        path = tmp_path / f"cold-{quant}.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "format": "vllm-expert-offload/cold-set",
+                    "version": 1,
+                    "model": {"name": "kernel-test", "num_experts": num_experts},
+                    "layers": {"1": sorted(cold_ids)},
+                }
+            )
+        )
+        os.environ["VLLM_EXPERT_COLD_FILE"] = str(path)
+    planner.reset_planner()
+    qc = None
+    if quant == "int4":
+        qc = AutoGPTQConfig.from_config(
+            {"bits": 4, "group_size": GROUP, "sym": True, "desc_act": False, "lm_head": False}
+        )
+    with torch.device("cuda"):
+        runner = FusedMoEFactory(
+            num_experts=num_experts,
+            top_k=top_k,
+            hidden_size=H,
+            intermediate_size=N,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix=PREFIX,
+        )
+    os.environ.pop("VLLM_EXPERT_COLD_FILE", None)
+    planner.reset_planner()
+    loaded = list(runner.load_weights(iter(weights)))
+    assert len(loaded) == len(weights)
+    experts = runner.routed_experts
+    if not expert_offload.process_weights_after_loading(experts, torch.device("cuda")):
+        experts.quant_method.process_weights_after_loading(experts)
+    experts._ensure_moe_quant_config_init()
+    return experts
+
+
+def _forward(config, experts, x, w, ids, only_gpu_table=False):
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    with set_forward_context(None, config, num_tokens=x.shape[0]):
+        if only_gpu_table:
+            return RoutedExperts.forward_modular(experts, x, w, ids)
+        return experts.forward_modular(x, w, ids)
+
+
+@pytest.mark.parametrize("quant,num_experts,top_k", [("int4", 512, 10), ("bf16", 128, 8)])
+def test_split_layer_equals_full_layer(vllm_context, tmp_path, quant, num_experts, top_k):
+    from vllm.model_executor.layers.fused_moe.expert_offload.split import SplitRoutedExperts
+
+    weights = _checkpoint(num_experts, quant)
+    g = torch.Generator().manual_seed(1)
+    cold = torch.randperm(num_experts, generator=g)[: num_experts // 8].tolist()
+    full = _build(num_experts, top_k, quant, weights, None, tmp_path)
+    split = _build(num_experts, top_k, quant, weights, cold, tmp_path)
+    assert isinstance(split, SplitRoutedExperts)
+    host = split.host_experts
+    arena = host._expert_offload_arena
+    start, end = arena.host.data_ptr(), arena.host.data_ptr() + arena.nbytes
+    for p in host.parameters():  # UVA views into the page-locked arena, not VRAM
+        assert p.is_cuda and (p.numel() == 0 or start <= p.data_ptr() < end)
+    kernel = type(full.quant_method.moe_kernel.fused_experts).__name__
+    gh.log(
+        f"{quant}: MoE experts kernel {kernel}; host table {host.local_num_experts} experts "
+        f"in a {host._expert_offload_arena.nbytes / 2**20:.0f} MiB page-locked arena"
+    )
+
+    cold_t = torch.tensor(cold, device="cuda")
+    for tokens in (1, 7, 64, 600):
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(tokens, num_experts, device="cuda")
+        w, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).float()
+        ids = ids.to(torch.int32)
+        ref = _forward(vllm_context, full, x, w, ids)
+        out = _forward(vllm_context, split, x, w, ids)
+        scale = ref.abs().max().item()
+        diff = (out.float() - ref.float()).abs().max().item()
+        gh.log(
+            f"{quant} tokens={tokens}: split vs full max|diff| {diff:.3g} (max|out| {scale:.3g})"
+        )
+        assert diff <= 0.02 * scale
+
+        # -1 ids contribute exactly nothing: the GPU table alone equals the full layer with the
+        # host experts' routing weights set to zero
+        on_host = torch.isin(ids, cold_t)
+        gpu_only = _forward(vllm_context, split, x, w, ids, only_gpu_table=True)
+        masked = _forward(vllm_context, full, x, w.masked_fill(on_host, 0.0), ids)
+        d2 = (gpu_only.float() - masked.float()).abs().max().item()
+        gh.log(f"{quant} tokens={tokens}: GPU table alone vs masked full layer max|diff| {d2:.3g}")
+        assert d2 <= 1e-3 * scale
+
+    # every id of every token on the other table: the kernel reads nothing and returns zeros
+    ids = cold_t[:top_k].repeat(16, 1).to(torch.int32)
+    w = torch.full(ids.shape, 1.0 / top_k, device="cuda")
+    x = torch.randn(16, H, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert _forward(vllm_context, split, x, w, ids, only_gpu_table=True).abs().max().item() == 0.0
+    torch.cuda.synchronize()  # an out-of-range read would surface here as an illegal address

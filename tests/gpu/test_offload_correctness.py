@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""offload-01 and offload-02 on a real engine (CUDA graphs on): greedy tokens identical to the
+unpatched server, per-token logprob differences within the unpatched server's own noise, and
+memory where it should be. 1 and 2 concurrent sequences; prefill chunks of 2048 and 512.
+
+    python3 -m pytest tests/gpu/test_offload_correctness.py -m gpu -s   (env: README.md)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import heldout_prompts, plan_of
+from eotools import gpu_harness as gh
+from eotools.testmodel import data
+
+pytestmark = pytest.mark.gpu
+DECODE = 48
+
+
+def _prompts(model):
+    plan = plan_of(model)
+    short = heldout_prompts(plan)
+    # ~3000 tokens, so prefill runs in several chunks at 512 and two at 2048
+    long = [
+        t
+        for c in data.conversations(plan, "legal", "heldout", 12, 250, seed=3)
+        for t in c.token_ids
+    ]
+    return short, long
+
+
+def _tasks(model) -> list[dict]:
+    short, long = _prompts(model)
+    return [
+        {
+            "kind": "greedy",
+            "name": "c1",
+            "prompts": [short[0], short[1], short[2], long],
+            "max_tokens": DECODE,
+            "concurrency": 1,
+        },
+        {
+            "kind": "greedy",
+            "name": "c2",
+            "prompts": [short[3], short[4], short[5], long],
+            "max_tokens": DECODE,
+            "concurrency": 2,
+        },
+    ]
+
+
+def _run(name, model, patched, chunk, env=None):
+    return gh.run_engine(
+        name,
+        {
+            "model": str(model),
+            "env": env or {},
+            "engine": gh.engine(max_num_batched_tokens=chunk),
+            "tasks": _tasks(model),
+        },
+        patched=patched,
+    )
+
+
+def _diff(a: dict, b: dict) -> dict:
+    """Token equality and logprob differences (decode and prompt) between two runs."""
+    same, dec, pre = True, [], []
+    for task in ("c1", "c2"):
+        for x, y in zip(a["tasks"][task]["outputs"], b["tasks"][task]["outputs"], strict=True):
+            same &= x["token_ids"] == y["token_ids"]
+            dec += [abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)]
+            pre += [
+                abs(p - q)
+                for p, q in zip(x["prompt_logprobs"], y["prompt_logprobs"], strict=True)
+                if p is not None
+            ]
+    return {
+        "tokens_identical": same,
+        "decode_max": max(dec),
+        "decode_mean": sum(dec) / len(dec),
+        "prompt_max": max(pre),
+        "prompt_mean": sum(pre) / len(pre),
+    }
+
+
+def _noise(model, tag, *runs) -> dict:
+    """The unpatched server's own noise: the largest difference between two runs of the same
+    configuration and between runs that differ only in scheduling (prefill chunk size)."""
+    pairs = [_diff(a, b) for a, b in runs]
+    return {
+        k: max(p[k] for p in pairs)
+        for k in ("decode_max", "decode_mean", "prompt_max", "prompt_mean")
+    }
+
+
+def _check(tag: str, offload: dict, unpatched: dict, noise: dict) -> None:
+    d = _diff(offload, unpatched)
+    report = {"check": tag, "offload_vs_unpatched": d, "unpatched_noise": noise}
+    gh.log(json.dumps(report))
+    (gh.WORK / f"correctness-{tag}.json").write_text(json.dumps(report, indent=1))
+    assert d["tokens_identical"], f"{tag}: greedy tokens differ from the unpatched server"
+    for k in ("decode_max", "decode_mean", "prompt_max", "prompt_mean"):
+        assert d[k] <= noise[k] + 1e-6, f"{tag}: {k} {d[k]:.4g} > unpatched noise {noise[k]:.4g}"
+
+
+@pytest.fixture(scope="module")
+def int4_unpatched(int4_model):
+    a = _run("int4-unpatched-2048", int4_model, False, 2048)
+    b = _run("int4-unpatched-2048-again", int4_model, False, 2048)
+    c = _run("int4-unpatched-512", int4_model, False, 512)
+    return {"2048": a, "512": c, "noise": _noise(int4_model, "int4", (a, b), (a, c))}
+
+
+@pytest.mark.parametrize("chunk", ["2048", "512"])
+def test_int4_split_experts_match_unpatched(int4_model, int4_cold_file, int4_unpatched, chunk):
+    run = _run(
+        f"int4-offload02-{chunk}",
+        int4_model,
+        True,
+        int(chunk),
+        {"VLLM_EXPERT_COLD_FILE": str(int4_cold_file)},
+    )
+    assert run["memory"]["expert_host_bytes"] > 0
+    _check(f"int4-offload02-{chunk}", run, int4_unpatched[chunk], int4_unpatched["noise"])
+
+
+def test_int4_host_layer_matches_unpatched(int4_model, int4_unpatched):
+    run = _run("int4-offload01-2048", int4_model, True, 2048, {"VLLM_EXPERT_HOST_LAYERS": "0"})
+    assert run["memory"]["expert_host_bytes"] > 0
+    _check("int4-offload01-2048", run, int4_unpatched["2048"], int4_unpatched["noise"])
+
+
+def test_bf16_split_experts_match_unpatched(bf16_model, bf16_cold_file):
+    a = _run("bf16-unpatched-2048", bf16_model, False, 2048)
+    b = _run("bf16-unpatched-2048-again", bf16_model, False, 2048)
+    c = _run("bf16-unpatched-512", bf16_model, False, 512)
+    run = _run(
+        "bf16-offload02-2048",
+        bf16_model,
+        True,
+        2048,
+        {"VLLM_EXPERT_COLD_FILE": str(bf16_cold_file)},
+    )
+    assert run["memory"]["expert_host_bytes"] > 0
+    _check("bf16-offload02-2048", run, a, _noise(bf16_model, "bf16", (a, b), (a, c)))
+
+
+def test_memory_moves_from_vram_to_host(int4_model, int4_cold_file, int4_unpatched):
+    """VRAM saved matches the bytes placed on host (within 2%); the worker's peak host memory
+    grows by at most 1.1x those bytes (the load-format copies are gone)."""
+    base = int4_unpatched["2048"]["memory"]
+    off = _run(
+        "int4-offload02-2048",
+        int4_model,
+        True,
+        2048,
+        {"VLLM_EXPERT_COLD_FILE": str(int4_cold_file)},
+    )["memory"]
+    host = off["expert_host_bytes"]
+    saved = base["torch_allocated_bytes"] - off["torch_allocated_bytes"]
+    rss = off["host_peak_rss_bytes"] - base["host_peak_rss_bytes"]
+    report = {
+        "host_bytes": host,
+        "vram_saved_bytes": saved,
+        "peak_rss_growth_bytes": rss,
+        "expert_gpu_bytes": [base["expert_gpu_bytes"], off["expert_gpu_bytes"]],
+    }
+    gh.log(json.dumps(report))
+    (gh.WORK / "memory-int4-offload02.json").write_text(json.dumps(report, indent=1))
+    assert abs(saved - host) <= 0.02 * host
+    assert rss <= 1.1 * host

@@ -74,11 +74,14 @@ def _checkpoint(num_experts: int, quant: str, seed: int = 0) -> list[tuple[str, 
 
 
 def _build(num_experts, top_k, quant, weights, cold_ids, tmp_path):
+    from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.fused_moe import expert_offload
     from vllm.model_executor.layers.fused_moe.expert_offload import planner
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
 
+    # the full and the split layer share a name; vLLM refuses a layer name it has seen
+    get_current_vllm_config().compilation_config.static_forward_context.pop(PREFIX, None)
     os.environ.pop("VLLM_EXPERT_COLD_FILE", None)
     if cold_ids is not None:
         path = tmp_path / f"cold-{quant}.json"

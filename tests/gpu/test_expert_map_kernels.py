@@ -43,6 +43,9 @@ def vllm_context():
             distributed_init_method="tcp://127.0.0.1:29533",
         )
         initialize_model_parallel(1, 1)
+        from vllm.v1.worker.workspace import init_workspace_manager
+
+        init_workspace_manager(torch.device("cuda"))  # the modular kernels' scratch buffers
         yield config
         destroy_model_parallel()
         destroy_distributed_environment()

@@ -79,6 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="offload-02,offload-01,unpatched,cpu-offload-gb")
     ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
+    ap.add_argument(
+        "--from-runs",
+        type=pathlib.Path,
+        help="build the report from engine results already in this folder (a run cut short); "
+        "configurations without a result are listed as not run",
+    )
+    ap.add_argument("--ran-as", help="with --from-runs: the command that made the engine runs")
     args = ap.parse_args(argv)
 
     plan = _plan(args.model)
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
-    results, host_bytes = {}, None
+    results, host_bytes, not_run = {}, None, []
     for name in args.configs.split(","):
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
@@ -128,17 +135,30 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "unpatched":
             patched = False
         elif name == "cpu-offload-gb":
-            if host_bytes is None:
+            if host_bytes is None and not args.from_runs:
                 raise SystemExit("cpu-offload-gb needs an offload run first (its host bytes)")
-            engine = gh.engine(cpu_offload_gb=host_bytes / GiB, cpu_offload_params=["experts"])
+            engine = gh.engine(
+                cpu_offload_gb=(host_bytes or 0) / GiB, cpu_offload_params=["experts"]
+            )
             patched = False
         else:
             raise SystemExit(f"unknown config {name}")
-        res = gh.run_engine(
-            f"bench-{name}",
-            {"model": str(args.model), "env": env, "engine": engine, "tasks": tasks},
-            patched,
-        )
+        if args.from_runs:
+            found = [
+                f
+                for f in sorted(args.from_runs.glob(f"bench-{name}-*.json"))
+                if not f.name.endswith(".config.json")
+            ]
+            if not found:
+                not_run.append(name)
+                continue
+            res = json.loads(found[-1].read_text())
+        else:
+            res = gh.run_engine(
+                f"bench-{name}",
+                {"model": str(args.model), "env": env, "engine": engine, "tasks": tasks},
+                patched,
+            )
         if name in ("offload-02", "offload-01"):
             host_bytes = res["memory"]["expert_host_bytes"] if host_bytes is None else host_bytes
         if name == "cpu-offload-gb":
@@ -198,8 +218,46 @@ def main(argv: list[str] | None = None) -> int:
         },
         "engine": gh.BASE_ENGINE,
         "runs": runs,
+        "not_run": not_run,
     }
+    if args.from_runs:
+        doc["engine_runs_command"] = args.ran_as
+        doc["gpu"] = doc["gpu"] if doc["gpu"] != "unknown" else "NVIDIA H200 (from the runs)"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    gh.log(f"wrote {args.out}")
+    args.out.with_suffix(".md").write_text(markdown(doc))
+    gh.log(f"wrote {args.out} and its .md table")
     return 0
+
+
+def markdown(doc: dict) -> str:
+    """A short table of one suite run: medians of the repeats, every repeat in the JSON."""
+    lines = [
+        f"# {doc['suite']} on {doc['gpu']} ({doc['date']})",
+        "",
+        f"Command: `{doc.get('engine_runs_command') or doc['command']}`",
+        "",
+        "| config | host fraction | decode tok/s (median of repeats) | TPOT p50 / p90 ms | "
+        "TTFT 2k / 8k ms | host reads/token | start-up s | vs unpatched |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in doc["runs"]:
+        ratio = r["decode_vs_unpatched"]
+        lines.append(
+            f"| {r['config']} | {r['host_fraction']:.3f} | "
+            f"{np.median(r['decode_tok_s']):.1f} "
+            f"({', '.join(f'{x:.1f}' for x in r['decode_tok_s'])}) | "
+            f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | "
+            f"{np.median(r['ttft_2k_ms']):.1f} / {np.median(r['ttft_8k_ms']):.1f} | "
+            f"{r['host_reads_per_token']:.2f} | {r['startup_s']:.0f} | "
+            f"{'-' if ratio is None else f'{ratio:.3f}x'} |"
+        )
+    lines += [
+        "",
+        "The first configuration of a run pays torch.compile and Triton JIT on a cold "
+        "cache: compare start-up times between the later configurations only. Host "
+        "reads per token come from the planted routing of the decoded tokens.",
+    ]
+    if doc.get("not_run"):
+        lines += ["", f"Not run in this suite run: {', '.join(doc['not_run'])}."]
+    return "\n".join(lines) + "\n"

@@ -173,14 +173,15 @@ def test_split_layer_equals_full_layer(vllm_context, tmp_path, quant, num_expert
         )
         assert diff <= 0.02 * scale
 
-        # -1 ids contribute exactly nothing: the GPU table alone equals the full layer with the
-        # host experts' routing weights set to zero
+        # -1 ids contribute nothing: the GPU table alone equals the full layer with the host
+        # experts' routing weights set to zero, up to one bf16 rounding of the sum (an expert
+        # read out of range would add garbage of the output's own size)
         on_host = torch.isin(ids, cold_t)
         gpu_only = _forward(vllm_context, split, x, w, ids, only_gpu_table=True)
         masked = _forward(vllm_context, full, x, w.masked_fill(on_host, 0.0), ids)
         d2 = (gpu_only.float() - masked.float()).abs().max().item()
         gh.log(f"{quant} tokens={tokens}: GPU table alone vs masked full layer max|diff| {d2:.3g}")
-        assert d2 <= 1e-3 * scale
+        assert d2 <= scale * 2**-7
 
     # every id of every token on the other table: the kernel reads nothing and returns zeros
     ids = cold_t[:top_k].repeat(16, 1).to(torch.int32)

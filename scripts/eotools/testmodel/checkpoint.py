@@ -96,8 +96,11 @@ def write(
     prompt_words: int = 256,
     report: dict | None = None,
     progress: Callable[[int, str], None] | None = None,
+    weights: bool = True,
 ) -> None:
-    """Write the whole model directory. `progress(done, what)` is called after each shard."""
+    """Write the whole model directory. `progress(done, what)` is called after each shard.
+    Without `weights`, everything but the safetensors shards (enough for tools that only need
+    the tokenizer, the data sets or the planted routing)."""
     out.mkdir(parents=True, exist_ok=True)
     factory = TensorFactory(plan, quant, device)
     n_shards = plan.geometry.num_layers + 1
@@ -113,16 +116,16 @@ def write(
             weight_map[k] = name
             total += t.numel() * t.element_size()
 
-    save(0, factory.dense())
-    if progress:
-        progress(1, "embeddings and head")
-    for layer in range(plan.geometry.num_layers):
-        save(layer + 1, factory.layer(layer))
+    if weights:
+        save(0, factory.dense())
         if progress:
-            progress(layer + 2, f"layer {layer}")
-
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            progress(1, "embeddings and head")
+        for layer in range(plan.geometry.num_layers):
+            save(layer + 1, factory.layer(layer))
+            if progress:
+                progress(layer + 2, f"layer {layer}")
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(hf_config(plan, quant), indent=2) + "\n")
     gen = {"eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -144,7 +147,7 @@ def write(
         },
         "expert_scales": {"gate_up": s_in, "down": s_out},
         "datasets": datasets,
-        "checkpoint_bytes": total,
+        "checkpoint_bytes": total if weights else None,
         "report": report,
     }
     (out / "synthetic_model.json").write_text(json.dumps(desc, indent=2) + "\n")

@@ -70,6 +70,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="simulate and print the routing statistics (stored in the model too)",
     )
     ap.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    ap.add_argument(
+        "--no-weights",
+        action="store_true",
+        help="write everything but the weights (tokenizer, config, data sets, description)",
+    )
     return ap.parse_args(argv)
 
 
@@ -115,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # progress lines instead of a bar
         tqdm = None
     n = plan.geometry.num_layers + 1
-    bar = tqdm(total=n, unit="shard", desc="writing") if tqdm else None
+    bar = tqdm(total=n, unit="shard", desc="writing") if tqdm and not args.no_weights else None
 
     def progress(done: int, what: str) -> None:
         if bar:
@@ -126,7 +131,17 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.time()
     try:
-        write(plan, args.out, args.quant, device, args.prompts, args.prompt_words, report, progress)
+        write(
+            plan,
+            args.out,
+            args.quant,
+            device,
+            args.prompts,
+            args.prompt_words,
+            report,
+            progress,
+            weights=not args.no_weights,
+        )
     except (OSError, RuntimeError, ValueError) as e:
         print(f"error: writing {args.out} failed: {e}", file=sys.stderr)
         return 4

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Repository invariants: the vLLM pin lives in vllm.pin and everything else agrees with it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from eotools.pin import PIN, read_pin
+
+
+def test_pin_file_is_complete_and_consistent(repo_root):
+    pin = read_pin(repo_root / "vllm.pin")
+    assert pin == PIN
+    assert pin.vllm_wheel.startswith(f"vllm-{pin.vllm_version}-")
+    assert pin.vllm_image.endswith(f":v{pin.vllm_version}")
+    assert re.fullmatch(r"[0-9a-f]{64}", pin.vllm_wheel_sha256)
+
+
+def test_shell_and_python_read_the_same_pin(repo_root):
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f". {repo_root}/scripts/lib/pin.sh && echo $PIN_VLLM_VERSION "
+            "$PIN_VLLM_IMAGE $PIN_TORCH_VERSION",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert out == [PIN.vllm_version, PIN.vllm_image, PIN.torch_version]
+
+
+def test_dockerfile_default_base_image_is_the_pin(repo_root):
+    text = (repo_root / "Dockerfile").read_text()
+    assert re.search(r"^ARG VLLM_IMAGE=(\S+)$", text, re.M).group(1) == PIN.vllm_image
+    assert "FROM ${VLLM_IMAGE}" in text
+
+
+def test_the_version_is_written_nowhere_else(repo_root):
+    """Only vllm.pin (and the Dockerfile's mirrored default, checked above) may name the
+    pinned release; tools read it from there."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=repo_root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    allowed = {"vllm.pin", "Dockerfile", "CHANGELOG.md", "README.md"}
+    needle = f"vllm-{PIN.vllm_version}-"
+    offenders = [
+        f
+        for f in tracked
+        if f not in allowed
+        and not f.startswith(("patches/", "bench/", "tests/README"))
+        and (repo_root / f).is_file()
+        and needle in (repo_root / f).read_text(errors="ignore")
+    ]
+    assert offenders == []

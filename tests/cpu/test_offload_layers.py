@@ -24,37 +24,12 @@ E, K, HIDDEN, WIDTH = 16, 4, 64, 32
 PREFIX = "model.layers.{}.mlp.experts"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_cpu():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from eotools.vllm_context import single_process_vllm
 
-    config = VllmConfig()
-    with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            backend="gloo",
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
-        )
-        initialize_model_parallel(1, 1)
+    with single_process_vllm("gloo") as config:
         yield config
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
 @pytest.fixture(autouse=True)
@@ -70,13 +45,15 @@ def clean_offload_env(monkeypatch):
     processing.records.clear()
 
 
-def cold_file(tmp_path: pathlib.Path, layers: dict, **model) -> str:
+def cold_file(tmp_path: pathlib.Path, layers: dict, budget: dict | None = None, **model) -> str:
     doc = {
         "format": "vllm-expert-offload/cold-set",
         "version": 1,
         "model": {"name": "unit", "num_experts": E, **model},
         "layers": {str(k): v for k, v in layers.items()},
     }
+    if budget is not None:
+        doc["budget"] = budget
     path = tmp_path / "cold.json"
     path.write_text(json.dumps(doc))
     return str(path)
@@ -220,18 +197,8 @@ def test_cold_file_for_another_model_is_refused(tmp_path):
 
 
 def test_cold_file_with_another_expert_count_is_refused(vllm_cpu, tmp_path):
-    path = tmp_path / "cold.json"
-    path.write_text(
-        json.dumps(
-            {
-                "format": "vllm-expert-offload/cold-set",
-                "version": 1,
-                "model": {"num_experts": 128},
-                "layers": {"2": [3]},
-            }
-        )
-    )
-    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=str(path)))
+    path = cold_file(tmp_path, {2: [3]}, num_experts=128)
+    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=path))
     assert "128 experts per layer" in msg and f"has {E}" in msg
 
 
@@ -295,19 +262,9 @@ def test_host_budget_beyond_available_memory_is_refused(vllm_cpu, tmp_path, monk
 
 
 def test_cold_budget_smaller_than_the_bytes_is_refused(vllm_cpu, tmp_path):
-    path = tmp_path / "cold.json"
-    path.write_text(
-        json.dumps(
-            {
-                "format": "vllm-expert-offload/cold-set",
-                "version": 1,
-                "model": {"num_experts": E},
-                "budget": {"pipeline_parallel_size": 1, "gib_per_stage": [1e-9]},
-                "layers": {"2": [1, 2, 3]},
-            }
-        )
-    )
-    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=str(path)))
+    budget = {"pipeline_parallel_size": 1, "gib_per_stage": [1e-9]}
+    path = cold_file(tmp_path, {2: [1, 2, 3]}, budget=budget)
+    msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=path))
     assert "budget" in msg and "another model, quantisation or pipeline split" in msg
 
 

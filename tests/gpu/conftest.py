@@ -43,21 +43,20 @@ def bf16_model() -> pathlib.Path:
     return gh.make_model("target-bf16-2l", "--layers", "2", "--quant", "bf16")
 
 
-@pytest.fixture(scope="session")
-def int4_cold_file(int4_model) -> pathlib.Path:
+def _cold_file(model: pathlib.Path) -> pathlib.Path:
     from eotools.coldset import synthetic_cold_file
 
-    out = gh.WORK / f"cold-{int4_model.name}.json"
+    out = gh.WORK / f"cold-{model.name}.json"
     if not out.exists():
-        synthetic_cold_file(int4_model, out, HOST_EXPERTS_PER_LAYER)
+        synthetic_cold_file(model, out, HOST_EXPERTS_PER_LAYER)
     return out
+
+
+@pytest.fixture(scope="session")
+def int4_cold_file(int4_model) -> pathlib.Path:
+    return _cold_file(int4_model)
 
 
 @pytest.fixture(scope="session")
 def bf16_cold_file(bf16_model) -> pathlib.Path:
-    from eotools.coldset import synthetic_cold_file
-
-    out = gh.WORK / f"cold-{bf16_model.name}.json"
-    if not out.exists():
-        synthetic_cold_file(bf16_model, out, HOST_EXPERTS_PER_LAYER)
-    return out
+    return _cold_file(bf16_model)

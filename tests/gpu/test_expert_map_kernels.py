@@ -25,30 +25,12 @@ PREFIX = "model.layers.1.mlp.experts"
 
 @pytest.fixture(scope="module")
 def vllm_context():
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
+    from eotools.vllm_context import single_process_vllm
+    from vllm.v1.worker.workspace import init_workspace_manager
 
-    config = VllmConfig()
-    with set_current_vllm_config(config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            backend="nccl",
-            distributed_init_method="tcp://127.0.0.1:29533",
-        )
-        initialize_model_parallel(1, 1)
-        from vllm.v1.worker.workspace import init_workspace_manager
-
+    with single_process_vllm("nccl") as config:
         init_workspace_manager(torch.device("cuda"))  # the modular kernels' scratch buffers
         yield config
-        destroy_model_parallel()
-        destroy_distributed_environment()
 
 
 def _checkpoint(num_experts: int, quant: str, seed: int = 0) -> list[tuple[str, torch.Tensor]]:

@@ -372,3 +372,28 @@ def test_startup_lines_say_where_the_experts_are(vllm_cpu, tmp_path):
     assert "split experts (VLLM_EXPERT_COLD_FILE)" in text and "1 of 2 MoE layers" in text
     assert "GiB in host memory" in text and "GiB in VRAM" in text
     assert f"min/median/max = 0/1.5/3 of {E}" in text
+
+
+def test_only_this_pipeline_ranks_layers_count_towards_its_budget(tmp_path):
+    """Layers outside this rank are never built here and do not count against its host memory;
+    a stage budget is compared with the bytes of this rank's layers only."""
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import OffloadSettings
+    from vllm.model_executor.layers.fused_moe.expert_offload.planner import (
+        ModelFacts,
+        OffloadPlanner,
+    )
+
+    path = cold_file(
+        tmp_path,
+        {1: [1, 2], 5: [1, 2, 3], 6: [4]},
+        budget={"pipeline_parallel_size": 2, "gib_per_stage": [1.0, 1e-9]},
+    )
+    rank1 = ModelFacts("/m", 8, first_layer=4, end_layer=8, pp_rank=1, pp_size=2)
+    planner = OffloadPlanner(OffloadSettings(frozenset({0, 7}), path), rank1)
+    assert planner.host_experts_on_rank(E) == E + 3 + 1  # layer 7 whole, layers 5 and 6
+    msg = error_of(lambda: planner.check_budget(1000, E))  # 4 cold experts > 1e-9 GiB
+    assert "pipeline rank 1" in msg
+    rank0 = ModelFacts("/m", 8, first_layer=0, end_layer=4, pp_rank=0, pp_size=2)
+    planner = OffloadPlanner(OffloadSettings(frozenset({0, 7}), path), rank0)
+    assert planner.host_experts_on_rank(E) == E + 2
+    planner.check_budget(1000, E)  # 2 cold experts x 1000 bytes fit rank 0's 1 GiB

@@ -55,3 +55,16 @@ def test_the_version_is_written_nowhere_else(repo_root):
         and needle in (repo_root / f).read_text(errors="ignore")
     ]
     assert offenders == []
+
+
+def test_patches_are_exactly_what_a_workspace_exports(repo_root, tmp_path):
+    """The committed series round-trips: applied to the pinned tree with git am and exported
+    again, it changes no byte (so patches/ was generated, not edited by hand)."""
+    ws = tmp_path / "ws"
+    subprocess.run([str(repo_root / "scripts/vllm-tree"), str(ws)], check=True, capture_output=True)
+    r = subprocess.run(
+        [str(repo_root / "scripts/export-patches"), "--workspace", str(ws), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr

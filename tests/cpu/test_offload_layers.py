@@ -397,3 +397,24 @@ def test_only_this_pipeline_ranks_layers_count_towards_its_budget(tmp_path):
     planner = OffloadPlanner(OffloadSettings(frozenset({0, 7}), path), rank0)
     assert planner.host_experts_on_rank(E) == E + 2
     planner.check_budget(1000, E)  # 2 cold experts x 1000 bytes fit rank 0's 1 GiB
+
+
+def test_split_layers_refuse_a_kernel_not_known_to_honour_expert_maps():
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import (
+        check_expert_map_kernel,
+    )
+
+    class FlashInferExperts:  # stands for any kernel outside the known list
+        pass
+
+    class TritonExperts:
+        pass
+
+    def method(cls):
+        return SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=cls()))
+
+    check_expert_map_kernel(method(TritonExperts), "model.layers.3.mlp.experts")
+    msg = error_of(lambda: check_expert_map_kernel(method(FlashInferExperts), "layer 3"))
+    assert "FlashInferExperts" in msg and "--moe-backend" in msg

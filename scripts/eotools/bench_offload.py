@@ -47,13 +47,14 @@ def _gpu_name() -> str:
 
 
 def host_reads_per_token(plan: Plan, prompts, outputs, host: dict[int, set[int]]) -> float:
-    """Mean number of (layer, expert) picks per decoded token that land on host experts."""
+    """Mean number of (layer, expert) picks per decode step that land on host experts (the
+    steps that feed generated tokens back: positions len(prompt) .. end - 1)."""
     reads = tokens = 0
     for prompt, out in zip(prompts, outputs, strict=True):
         seq = np.array(prompt + out)
-        start = len(prompt) - 1  # positions whose forward produced a decoded token
+        start = len(prompt)
         for layer, cold in host.items():
-            picks = plan.router_topk(layer, seq)[start:-1]
+            picks = plan.router_topk(layer, seq[:-1])[start:]
             reads += int(np.isin(picks, list(cold)).sum())
         tokens += len(out) - 1
     return reads / max(tokens, 1)
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "configurations without a result are listed as not run",
     )
     ap.add_argument("--ran-as", help="with --from-runs: the command that made the engine runs")
+    ap.add_argument("--ran-at", help="with --from-runs: when the engine runs were made")
     args = ap.parse_args(argv)
 
     plan = _plan(args.model)
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
     results, host_bytes, not_run = {}, None, []
+    ran_model = args.model.name
     for name in args.configs.split(","):
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
@@ -153,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                 not_run.append(name)
                 continue
             res = json.loads(found[-1].read_text())
+            cfg = found[-1].with_name(found[-1].name.replace(".json", ".config.json"))
+            if cfg.exists():  # the model the engines really ran
+                ran_model = pathlib.Path(json.loads(cfg.read_text())["model"]).name
         else:
             res = gh.run_engine(
                 f"bench-{name}",
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": _gpu_name(),
         "command": "scripts/bench-offload " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": {
-            "path": args.model.name,
+            "path": ran_model,
             "geometry": plan.geometry.__dict__,
             "quantization": "gptq-int4 (Marlin MoE)",
             "host_experts_per_layer": args.host_experts_per_layer,
@@ -222,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.from_runs:
         doc["engine_runs_command"] = args.ran_as
+        doc["date"] = f"{args.ran_at or 'unknown'} (report assembled {doc['date']})"
         doc["gpu"] = doc["gpu"] if doc["gpu"] != "unknown" else "NVIDIA H200 (from the runs)"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")

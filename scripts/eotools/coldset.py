@@ -19,9 +19,17 @@ def model_identity(model_dir: pathlib.Path) -> dict[str, Any]:
     """What a cold file records about the model it was made for, from its config.json."""
     cfg = json.loads((model_dir / "config.json").read_text())
     text = cfg.get("text_config", cfg)
+    revision = cfg.get("_commit_hash")
+    synthetic = model_dir / "synthetic_model.json"
+    if revision is None and synthetic.exists():  # regenerable: name how it was made
+        desc = json.loads(synthetic.read_text())
+        revision = (
+            f"make-test-model seed {desc['planting']['seed']}, "
+            f"{desc['quantization']}, {desc['geometry']['num_layers']} layers"
+        )
     return {
         "name": model_dir.name,
-        "revision": cfg.get("_commit_hash"),
+        "revision": revision,
         "architecture": (cfg.get("architectures") or [None])[0],
         "num_layers": text["num_hidden_layers"],
         "num_experts": text.get("num_experts") or text.get("n_routed_experts"),

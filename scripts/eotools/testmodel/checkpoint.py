@@ -148,6 +148,7 @@ def write(
         "expert_scales": {"gate_up": s_in, "down": s_out},
         "datasets": datasets,
         "checkpoint_bytes": total if weights else None,
+        "expert_bytes": factory.expert_bytes(),
         "report": report,
     }
     (out / "synthetic_model.json").write_text(json.dumps(desc, indent=2) + "\n")

@@ -198,6 +198,21 @@ class TensorFactory:
                     w = (q.float() - gptq.ZERO) * s.repeat_interleave(GROUP, dim=0)
                     yield f"{pre}.{proj}.weight", w.t().contiguous()
 
+    def expert_bytes(self) -> int:
+        """Checkpoint bytes of one routed expert (all tensors of its three projections)."""
+        g = self.plan.geometry
+        h, n = g.hidden_size, g.moe_intermediate_size
+        total = 0
+        for n_in, n_out in ((h, n), (h, n), (n, h)):
+            if self.quant == "int4":
+                total += n_in // 8 * n_out * 4  # qweight
+                total += n_in // GROUP * n_out * 2  # fp16 scales
+                total += n_in // GROUP * n_out // 8 * 4  # qzeros
+                total += n_in * 4  # g_idx
+            else:
+                total += n_in * n_out * 2
+        return total
+
     def layer(self, layer: int) -> dict[str, torch.Tensor]:
         out = self.attention(layer)
         out[f"model.layers.{layer}.mlp.gate.weight"] = self.gate(layer)

@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runtime-swap policy (SPEC section 3, offload-03), as a reference implementation.
+
+Every decode step adds 1 to the count of each (layer, expert) the router picked. Every
+`interval` steps the counts decay by 0.5 ** (interval / half_life); then, per layer, the most
+used expert held on the host and the least used expert held on the GPU trade places when the
+first's count exceeds the second's by more than `margin`. At most one swap per layer per
+decision. This module is what the decide kernel implements; simulate-swap replays recorded
+picks through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SwapPolicy:
+    interval: int = 8  # decode steps between decisions
+    half_life: float = 512.0  # decode steps for a count to halve
+    margin: float = 2.0  # swap when host count - GPU count exceeds this
+
+    def __post_init__(self) -> None:
+        if self.interval < 1 or self.half_life <= 0 or self.margin < 0:
+            raise ValueError(
+                f"invalid swap policy {self}: interval >= 1, half_life > 0, margin >= 0"
+            )
+
+    @property
+    def decay(self) -> float:
+        return 0.5 ** (self.interval / self.half_life)
+
+
+class SwapState:
+    """Which experts each layer keeps on the host, and the decayed pick counts."""
+
+    def __init__(self, num_layers: int, num_experts: int, host: dict[int, Iterable[int]]) -> None:
+        self.on_host = np.zeros((num_layers, num_experts), dtype=bool)
+        for layer, ids in host.items():
+            self.on_host[layer, list(ids)] = True
+        self.counts = np.zeros((num_layers, num_experts), dtype=np.float64)
+        self.steps = 0
+
+    def host_reads(self, picks: np.ndarray) -> int:
+        """Picks of one token, (layers, top_k), that land on host experts."""
+        rows = np.arange(picks.shape[0])[:, None]
+        return int(self.on_host[rows, picks].sum())
+
+    def observe(self, picks: np.ndarray) -> None:
+        rows = np.repeat(np.arange(picks.shape[0]), picks.shape[1])
+        np.add.at(self.counts, (rows, picks.ravel()), 1.0)
+        self.steps += 1
+
+    def decide(self, policy: SwapPolicy) -> list[tuple[int, int, int]]:
+        """Decay, then per layer at most one swap. Returns (layer, to_gpu, to_host)."""
+        self.counts *= policy.decay
+        swaps = []
+        host_counts = np.where(self.on_host, self.counts, -np.inf)
+        gpu_counts = np.where(self.on_host, np.inf, self.counts)
+        best_host = host_counts.argmax(axis=1)
+        worst_gpu = gpu_counts.argmin(axis=1)
+        for layer in range(self.on_host.shape[0]):
+            h, g = best_host[layer], worst_gpu[layer]
+            if not (np.isfinite(host_counts[layer, h]) and np.isfinite(gpu_counts[layer, g])):
+                continue  # a layer with no host experts (or no GPU experts)
+            if host_counts[layer, h] - gpu_counts[layer, g] > policy.margin:
+                self.on_host[layer, h], self.on_host[layer, g] = False, True
+                swaps.append((layer, int(h), int(g)))
+        return swaps
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    tokens: int
+    host_reads: int
+    swaps: int
+
+    @property
+    def reads_per_token(self) -> float:
+        return self.host_reads / max(self.tokens, 1)
+
+    @property
+    def swaps_per_token(self) -> float:
+        return self.swaps / max(self.tokens, 1)
+
+    def read_equivalents_per_token(self, reads_per_swap: float = 2.0) -> float:
+        """Cost in host reads, counting a swap as `reads_per_swap` reads (SPEC: ~2)."""
+        return self.reads_per_token + reads_per_swap * self.swaps_per_token
+
+
+def simulate(
+    decode_picks: Iterable[np.ndarray],
+    num_layers: int,
+    num_experts: int,
+    host: dict[int, Iterable[int]],
+    policy: SwapPolicy | None,
+) -> SimulationResult:
+    """Replay per-token picks (each (layers, top_k), decode steps in order) through a fixed
+    cold set (policy None) or the runtime swap."""
+    state = SwapState(num_layers, num_experts, host)
+    tokens = reads = swaps = 0
+    for picks in decode_picks:
+        reads += state.host_reads(picks)
+        tokens += 1
+        if policy is None:
+            continue
+        state.observe(picks)
+        if state.steps % policy.interval == 0:
+            swaps += len(state.decide(policy))
+    return SimulationResult(tokens, reads, swaps)

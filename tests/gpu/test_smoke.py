@@ -47,7 +47,8 @@ def test_unpatched_vllm_serves_the_int4_test_model(int4_model):
     )
     mem = res["memory"]
     assert mem["moe_layers"] == plan.geometry.num_layers
-    assert "AutoGPTQMoEMethod" in mem.get("moe_methods", ["AutoGPTQMoEMethod"])
+    assert mem["moe_methods"] == ["AutoGPTQMoEMethod"]  # GPTQ INT4 ...
+    assert mem["moe_kernels"] == ["MarlinExperts"]  # ... through Marlin MoE
     outs = res["tasks"]["greedy"]["outputs"]
 
     # greedy decoding follows the planted successor chain

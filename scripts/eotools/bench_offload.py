@@ -22,16 +22,9 @@ import numpy as np
 from . import gpu_harness as gh
 from .coldset import synthetic_cold_file
 from .testmodel import data
-from .testmodel.plant import Geometry, Plan, Planting
+from .testmodel.plant import Plan, load_plan
 
 GiB = 1 << 30
-
-
-def _plan(model: pathlib.Path) -> Plan:
-    desc = json.loads((model / "synthetic_model.json").read_text())
-    p = desc["planting"]
-    p["domains"] = tuple(p["domains"])
-    return Plan(Geometry(**desc["geometry"]), Planting(**p))
 
 
 def _gpu_name() -> str:
@@ -90,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ran-at", help="with --from-runs: when the engine runs were made")
     args = ap.parse_args(argv)
 
-    plan = _plan(args.model)
+    plan = load_plan(args.model)
     cold_path = args.out.with_suffix(".cold.json")
     cold_doc = synthetic_cold_file(args.model, cold_path, args.host_experts_per_layer)
     cold = {int(k): set(v) for k, v in cold_doc["layers"].items()}

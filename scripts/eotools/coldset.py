@@ -71,13 +71,10 @@ def synthetic_cold_file(model_dir: pathlib.Path, out: pathlib.Path, per_layer: i
     counts of its planted routers over every domain's calibration split (normalised per data
     set, then added: SPEC section 4). Exact for these models: their routing is planted."""
     from .testmodel.data import conversations
-    from .testmodel.plant import Geometry, Plan, Planting
+    from .testmodel.plant import load_plan
     from .testmodel.stats import count_picks, normalised_mix, streams
 
-    desc = json.loads((model_dir / "synthetic_model.json").read_text())
-    planting = desc["planting"]
-    planting["domains"] = tuple(planting["domains"])
-    plan = Plan(Geometry(**desc["geometry"]), Planting(**planting))
+    plan = load_plan(model_dir)
     per_set = []
     for domain in plan.planting.domains:
         convs = conversations(plan, domain, "calibration", 16, 256)

@@ -42,18 +42,9 @@ def synthetic_counts(
     model's greedy continuation of each (decode steps)."""
     from tokenizers import Tokenizer
 
-    from .testmodel.plant import Geometry, Plan, Planting
+    from .testmodel.plant import load_plan
 
-    desc_file = model_dir / "synthetic_model.json"
-    if not desc_file.exists():
-        raise ValueError(
-            f"{model_dir} is not a make-test-model checkpoint (no "
-            "synthetic_model.json): --source synthetic counts only those"
-        )
-    desc = json.loads(desc_file.read_text())
-    planting = desc["planting"]
-    planting["domains"] = tuple(planting["domains"])
-    plan = Plan(Geometry(**desc["geometry"]), Planting(**planting))
+    plan = load_plan(model_dir)  # --source synthetic counts only make-test-model checkpoints
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     seqs = read_dataset(path)
     if not seqs:

@@ -29,12 +29,9 @@ def synthetic_picks(
     """Decode-step picks of `conversations` held-out conversations of one domain, back to
     back (the swap state carries over between them, as in a server)."""
     from .testmodel import data
-    from .testmodel.plant import Geometry, Plan, Planting
+    from .testmodel.plant import load_plan
 
-    desc = json.loads((model_dir / "synthetic_model.json").read_text())
-    planting = desc["planting"]
-    planting["domains"] = tuple(planting["domains"])
-    plan = Plan(Geometry(**desc["geometry"]), Planting(**planting))
+    plan = load_plan(model_dir)
     for conv in data.conversations(plan, domain, "heldout", conversations, words, seed=seed):
         seq = np.array(
             list(conv.token_ids) + data.greedy_continuation(plan, conv.token_ids, decode)

@@ -5,24 +5,20 @@ Run on a GPU host (README.md, "GPU tests"); every test here is marked `gpu`."""
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
 import pytest
 from eotools import gpu_harness as gh
 from eotools.testmodel import data
-from eotools.testmodel.plant import Geometry, Plan, Planting
+from eotools.testmodel.plant import Plan, load_plan
 
 INT4_LAYERS = int(os.environ.get("EO_GPU_LAYERS", "8"))
 HOST_EXPERTS_PER_LAYER = 64  # 12.5% of 512: one layer's worth over eight layers
 
 
 def plan_of(model: pathlib.Path) -> Plan:
-    desc = json.loads((model / "synthetic_model.json").read_text())
-    planting = desc["planting"]
-    planting["domains"] = tuple(planting["domains"])
-    return Plan(Geometry(**desc["geometry"]), Planting(**planting))
+    return load_plan(model)
 
 
 def heldout_prompts(plan: Plan, words: int = 256) -> list[list[int]]:

@@ -23,6 +23,8 @@ Everything before them is the "token" subspace that the language-model head read
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import string
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -291,6 +293,18 @@ class Plan:
             order = np.concatenate([chunks[i] for i in rng.permutation(len(chunks))])
             nxt[order] = np.roll(order, -1)
         return nxt
+
+
+def load_plan(model_dir: pathlib.Path) -> Plan:
+    """The Plan of a make-test-model checkpoint, from its synthetic_model.json."""
+    desc_file = pathlib.Path(model_dir) / "synthetic_model.json"
+    if not desc_file.exists():
+        raise ValueError(
+            f"{model_dir} is not a make-test-model checkpoint (no synthetic_model.json)"
+        )
+    desc = json.loads(desc_file.read_text())
+    planting = dict(desc["planting"], domains=tuple(desc["planting"]["domains"]))
+    return Plan(Geometry(**desc["geometry"]), Planting(**planting))
 
 
 def with_overrides(planting: Planting, **kw: object) -> Planting:

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """What vLLM 0.29.0's MoE kernels do with expert ids that map to -1, and that a split layer
-(offload-02: GPU table + host table, each with -1 for the other's experts) computes bit for
-bit what the unsplit layer computes. Marlin (GPTQ INT4) and the unquantised (BF16) path.
+(offload-02: GPU table + host table, each with -1 for the other's experts) computes what
+the unsplit layer computes (bit for bit on the Triton path). Marlin (GPTQ INT4) and the
+unquantised (BF16, Triton) path.
 
     PYTHONPATH=scripts:$EO_VLLM_PATCHED:$EO_VLLM_SITE python3 -m pytest \\
         tests/gpu/test_expert_map_kernels.py -m gpu -s
@@ -153,8 +154,18 @@ def test_split_layer_equals_full_layer(vllm_context, tmp_path, quant, num_expert
         gh.log(
             f"{quant} tokens={tokens}: split vs full max|diff| {diff:.3g} (max|out| {scale:.3g})"
         )
-        # one reduction over both tables' slots: the unsplit layer's output, bit for bit
-        assert torch.equal(out, ref), f"split layer differs from the full layer by {diff:.3g}"
+        # one reduction over both tables' slots. Triton's per-slot GEMMs do not depend on
+        # the rest of the batch, so the split layer is the unsplit one bit for bit. Marlin
+        # splits K across thread blocks by problem size (fp32 partial sums), so a slot's value
+        # depends on how many blocks the call has: the same tokens in another batch of the
+        # unsplit layer differ by as much. Bound: half a bf16 step at the output scale.
+        if quant == "bf16":
+            assert torch.equal(out, ref), f"split layer differs from the full layer by {diff:.3g}"
+        else:
+            alone = _forward(vllm_context, full, x[:1], w[:1], ids[:1])
+            rebatched = (alone.float() - ref[:1].float()).abs().max().item()
+            gh.log(f"{quant} tokens={tokens}: full layer, token 0 alone vs batched {rebatched:.3g}")
+            assert diff <= scale * 2**-8
 
         # -1 ids contribute nothing: the GPU table alone equals the full layer with the host
         # experts' routing weights set to zero, up to one bf16 rounding of the sum (an expert

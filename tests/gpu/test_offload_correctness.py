@@ -31,34 +31,38 @@ def _prompts(model):
     return short, long
 
 
-def _tasks(model) -> list[dict]:
+def _tasks(model, swap_concurrency: bool = False) -> list[dict]:
+    """Two tasks of four prompts, one decoded alone and one two at a time. With
+    `swap_concurrency`, the same prompts in the other batching: what the unpatched server
+    computes for a request depends on what it is batched with, which is run-to-run noise."""
     short, long = _prompts(model)
+    c1, c2 = (2, 1) if swap_concurrency else (1, 2)
     return [
         {
             "kind": "greedy",
             "name": "c1",
             "prompts": [short[0], short[1], short[2], long],
             "max_tokens": DECODE,
-            "concurrency": 1,
+            "concurrency": c1,
         },
         {
             "kind": "greedy",
             "name": "c2",
             "prompts": [short[3], short[4], short[5], long],
             "max_tokens": DECODE,
-            "concurrency": 2,
+            "concurrency": c2,
         },
     ]
 
 
-def _run(name, model, patched, chunk, env=None):
+def _run(name, model, patched, chunk, env=None, swap_concurrency=False):
     return gh.run_engine(
         name,
         {
             "model": str(model),
             "env": env or {},
             "engine": gh.engine(max_num_batched_tokens=chunk),
-            "tasks": _tasks(model),
+            "tasks": _tasks(model, swap_concurrency),
         },
         patched=patched,
     )
@@ -85,14 +89,15 @@ def _diff(a: dict, b: dict) -> dict:
     }
 
 
-def _noise(model, tag, *runs) -> dict:
-    """The unpatched server's own noise: the largest difference between two runs of the same
-    configuration and between runs that differ only in scheduling (prefill chunk size)."""
-    pairs = [_diff(a, b) for a, b in runs]
-    return {
-        k: max(p[k] for p in pairs)
+def _noise(**pairs: tuple[dict, dict]) -> dict:
+    """The unpatched server's own noise: per statistic, the largest difference between two of
+    its runs (`pairs`: name -> (run, run)); every pair's numbers are kept for the report."""
+    diffs = {name: _diff(a, b) for name, (a, b) in pairs.items()}
+    noise = {
+        k: max(d[k] for d in diffs.values())
         for k in ("decode_max", "decode_mean", "prompt_max", "prompt_mean")
     }
+    return {**noise, "pairs": diffs}
 
 
 def _check(tag: str, offload: dict, unpatched: dict, noise: dict) -> None:
@@ -110,7 +115,9 @@ def int4_unpatched(int4_model):
     a = _run("int4-unpatched-2048", int4_model, False, 2048)
     b = _run("int4-unpatched-2048-again", int4_model, False, 2048)
     c = _run("int4-unpatched-512", int4_model, False, 512)
-    return {"2048": a, "512": c, "noise": _noise(int4_model, "int4", (a, b), (a, c))}
+    d = _run("int4-unpatched-2048-rebatched", int4_model, False, 2048, swap_concurrency=True)
+    noise = _noise(same_config=(a, b), prefill_chunk=(a, c), batching=(a, d))
+    return {"2048": a, "512": c, "noise": noise}
 
 
 @pytest.mark.parametrize("chunk", ["2048", "512"])
@@ -144,7 +151,7 @@ def test_bf16_split_experts_match_unpatched(bf16_model, bf16_cold_file):
         {"VLLM_EXPERT_COLD_FILE": str(bf16_cold_file)},
     )
     assert run["memory"]["expert_host_bytes"] > 0
-    _check("bf16-offload02-2048", run, a, _noise(bf16_model, "bf16", (a, b), (a, c)))
+    _check("bf16-offload02-2048", run, a, _noise(same_config=(a, b), prefill_chunk=(a, c)))
 
 
 def test_memory_moves_from_vram_to_host(int4_model, int4_cold_file, int4_unpatched):

@@ -1,0 +1,575 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start-up preflight of the expert-offload image (scripts/preflight; the image's entrypoint
+runs it before `vllm serve`).
+
+A failed start of vLLM with offload costs minutes (weights load before the host budget is
+known to be short) and its error is deep in a worker's log. The preflight checks, in seconds
+and before anything is loaded, what a container most often gets wrong, and for each problem
+says what to change:
+
+- vllm:          the installed vLLM is vllm.pin's release and the series is applied to it;
+- cold-file:     the cold file exists, is well formed and fits the model's config.json
+                 (layers, experts, architecture, the budget it was made for);
+- host-memory:   the host experts fit in MemAvailable and the container's memory limit;
+- gpus:          enough GPUs for PP x TP, each as large as the topology's cards;
+- host-mapping:  the driver page-locks host memory for the GPU (cudaHostRegister) and, for
+                 offload-03, maps host NUMA memory into a VA range (cuMemCreate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import re
+import resource
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import cuda_probe
+from .coldcheck import (
+    ColdFileError,
+    load_cold_file,
+    model_mismatches,
+    over_budget,
+    parse_layer_list,
+    plan_host_experts,
+    read_model_config,
+)
+from .hostmem import cgroup_memory, mem_available
+from .pin import PIN, ROOT
+from .selection import SelectionError
+from .topologies import TOPOLOGIES, Topology, get_topology
+
+GiB = 1 << 30
+# What vLLM's own processes take besides the host experts (API server, one worker per GPU:
+# CUDA context, torch, pinned staging buffers): an estimate, used for a warning only.
+RESERVE_GIB_BASE = 2.0
+RESERVE_GIB_PER_GPU = 3.0
+
+# Exit codes: the code of the first check that failed, in the order the checks run.
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_CODES = {"vllm": 7, "cold-file": 6, "host-memory": 4, "gpus": 3, "host-mapping": 5}
+CHECKS = tuple(EXIT_CODES)
+
+MAKE_COLD_SET = (
+    "make a cold file for this model on this machine (README.md, 'Cold sets', also says what "
+    "scripts/count-experts can count today): scripts/count-experts --model M --data "
+    "NAME=FILE ... --out-dir counts/, then scripts/select-cold-set select --model M --counts "
+    "counts/*.json --budget-gib 3 --pp-size P --out COLD_DIR/3GiB-per-card.json; mount its "
+    "folder at /cold (compose: COLD_DIR) and name it with COLD_FILE; or unset "
+    "VLLM_EXPERT_COLD_FILE to serve without offload"
+)
+
+
+@dataclass(frozen=True)
+class Result:
+    check: str
+    status: str  # "ok", "warn", "fail" or "skip"
+    message: str
+    fix: str = ""
+
+
+@dataclass
+class Setup:
+    """What the checks look at; every path can be pointed elsewhere (tests, other hosts)."""
+
+    model: str | None = None
+    pp: int = 1
+    tp: int = 1
+    topology: Topology | None = None
+    cold_file: str | None = None
+    host_layers: str = ""
+    pp_partition: str = ""
+    meminfo: pathlib.Path = pathlib.Path("/proc/meminfo")
+    cgroup_root: pathlib.Path = pathlib.Path("/sys/fs/cgroup")
+    site: pathlib.Path | None = None  # where the vllm package is installed; None: find it
+    apply_patches: pathlib.Path = ROOT / "scripts" / "apply-patches.sh"
+    reserve_gib: float | None = None
+    query_gpus: Callable[[], tuple[list[cuda_probe.Gpu], str]] = cuda_probe.query_gpus
+    probes: Callable[[], list[cuda_probe.Probe]] = field(
+        default=lambda: [cuda_probe.probe_host_register(), cuda_probe.probe_vmm_host_numa()]
+    )
+
+    @property
+    def gpus_needed(self) -> int:
+        return self.pp * self.tp
+
+    @property
+    def offload_configured(self) -> bool:
+        return bool(self.cold_file or self.host_layers.strip())
+
+
+# --- vLLM serve arguments -------------------------------------------------------------------
+
+
+def parse_serve_args(args: Sequence[str]) -> tuple[str | None, int, int]:
+    """The model, pipeline and tensor parallel sizes of a `vllm serve` command line (the
+    model is the leading positional argument or --model)."""
+    model = args[0] if args and not args[0].startswith("-") else None
+    pp = tp = 1
+    names = {
+        "--model": "model",
+        "--pipeline-parallel-size": "pp",
+        "-pp": "pp",
+        "--tensor-parallel-size": "tp",
+        "-tp": "tp",
+    }
+    values: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        key, eq, inline = arg.partition("=")
+        if key in names:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
+            values[names[key]] = value
+    model = values.get("model", model)
+    try:
+        pp = int(values.get("pp", pp))
+        tp = int(values.get("tp", tp))
+    except ValueError as e:
+        raise ValueError(f"cannot read the parallel sizes of the serve arguments: {e}") from None
+    return model, pp, tp
+
+
+# --- vllm: the pinned release with the series applied -----------------------------------------
+
+
+def find_vllm_site() -> pathlib.Path | None:
+    """The directory holding the importable vllm package, found without importing it."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    return pathlib.Path(spec.origin).resolve().parents[1]
+
+
+def installed_vllm_version(site: pathlib.Path) -> str | None:
+    try:
+        text = (site / "vllm" / "_version.py").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^__version__\s*=.*?['\"]([^'\"]+)['\"]", text, re.M)
+    return m.group(1) if m else None
+
+
+def check_vllm(setup: Setup) -> list[Result]:
+    site = setup.site or find_vllm_site()
+    if site is None:
+        return [
+            Result(
+                "vllm",
+                "fail",
+                "no vllm package can be imported by this Python",
+                f"install vLLM {PIN.vllm_version} (vllm.pin) or use the image "
+                "built from this repository's Dockerfile",
+            )
+        ]
+    version = installed_vllm_version(site)
+    if (version or "").split("+")[0] != PIN.vllm_version:
+        return [
+            Result(
+                "vllm",
+                "fail",
+                f"vLLM in {site} is {version or 'of unknown version'}, the series is for "
+                f"vLLM {PIN.vllm_version} (vllm.pin)",
+                f"build the image FROM {PIN.vllm_image} (the Dockerfile's default), or "
+                f"install vLLM {PIN.vllm_version}",
+            )
+        ]
+    r = subprocess.run(
+        ["bash", str(setup.apply_patches), "--check", str(site)], capture_output=True, text=True
+    )
+    said = (r.stdout + r.stderr).strip().replace("\n", " ")
+    if r.returncode == 0 and "already patched" in r.stdout:
+        return [Result("vllm", "ok", f"vLLM {version} in {site}, series applied")]
+    if r.returncode == 0 and "nothing to apply" in r.stdout:
+        return [Result("vllm", "ok", f"vLLM {version} in {site}; the series is empty")]
+    if r.returncode == 0:
+        problem = f"the patch series is not applied to vLLM {version} in {site}"
+        fix = f"apply it: {setup.apply_patches} {site} (the image's build does this)"
+    elif r.returncode == 4:
+        problem = f"vLLM in {site} is partly patched ({said})"
+        fix = f"reinstall vLLM {PIN.vllm_version}, then apply the series with apply-patches.sh"
+    elif r.returncode == 1:
+        problem = f"the series neither applies to nor is applied in {site} ({said})"
+        fix = (
+            "the installed vLLM was changed by something else: reinstall vLLM "
+            f"{PIN.vllm_version} and apply the series, or rebuild the image"
+        )
+    else:
+        problem = f"apply-patches.sh --check exited {r.returncode}: {said}"
+        fix = "see the message above (GNU patch and bash must be installed)"
+    return [Result("vllm", "fail", problem, fix)]
+
+
+# --- cold-file: the cold file against the model ---------------------------------------------
+
+
+def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
+    """Results, and the parsed cold file for the host-memory check."""
+    model = read_model_config(setup.model)
+    try:
+        host_layers = parse_layer_list(setup.host_layers)
+    except ValueError as e:
+        return [
+            Result("cold-file", "fail", f"VLLM_EXPERT_HOST_LAYERS: {e}", "write e.g. 0-5,40")
+        ], None
+    if model is not None and host_layers and max(host_layers) >= model.num_layers:
+        return [
+            Result(
+                "cold-file",
+                "fail",
+                f"VLLM_EXPERT_HOST_LAYERS names layer {max(host_layers)}, but the model has "
+                f"{model.num_layers} layers (0-{model.num_layers - 1})",
+                "remove the layers the model does not have from VLLM_EXPERT_HOST_LAYERS",
+            )
+        ], None
+    if not setup.cold_file:
+        what = "no cold file (VLLM_EXPERT_COLD_FILE unset)"
+        return [Result("cold-file", "skip", what)], None
+    path = pathlib.Path(setup.cold_file)
+    where = f"VLLM_EXPERT_COLD_FILE={path}"
+    if not path.is_file():
+        return [Result("cold-file", "fail", f"{where}: no such file", MAKE_COLD_SET)], None
+    try:
+        cold = load_cold_file(path)
+    except ColdFileError as e:
+        return [Result("cold-file", "fail", f"{where}: {e}", MAKE_COLD_SET)], None
+    if model is None:
+        return [
+            Result(
+                "cold-file",
+                "warn",
+                f"{where} is well formed, but the model {setup.model!r} is not a local "
+                "directory with a config.json, so it is checked against the model only by "
+                "vLLM at start-up",
+            )
+        ], cold
+    fix = "the file was made for another model or split; " + MAKE_COLD_SET
+    problems = model_mismatches(cold, model, host_layers)
+    if problems:
+        return [Result("cold-file", "fail", f"{where}: " + "; ".join(problems), fix)], cold
+    try:
+        plan = plan_host_experts(cold, model, setup.pp, setup.host_layers, setup.pp_partition)
+    except SelectionError as e:
+        return [Result("cold-file", "fail", str(e), "fix --pipeline-parallel-size")], cold
+    over = over_budget(cold, plan, setup.pp)
+    if over:
+        return [Result("cold-file", "fail", f"{where}: {over}", fix)], cold
+    n = sum(len(v) for v in cold["layers"].values())
+    return [
+        Result(
+            "cold-file",
+            "ok",
+            f"{path.name}: {n} host experts in {len(cold['layers'])} layers, fits "
+            f"{model.path.name} ({model.num_layers} layers x {model.num_experts} experts)",
+        )
+    ], cold
+
+
+# --- host-memory: host experts against MemAvailable and the cgroup limit ----------------------
+
+
+def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]:
+    if not setup.offload_configured:
+        return [Result("host-memory", "skip", "no offload configured")]
+    if setup.cold_file and cold is None:
+        return [Result("host-memory", "skip", "no usable cold file (see cold-file)")]
+    model = read_model_config(setup.model)
+    try:
+        plan = plan_host_experts(cold, model, setup.pp, setup.host_layers, setup.pp_partition)
+    except (ValueError, SelectionError) as e:
+        return [Result("host-memory", "fail", str(e), "fix the layer list or the PP size")]
+    need = plan.total_bytes
+    if need is None:
+        return [
+            Result(
+                "host-memory",
+                "skip",
+                "the bytes of one expert are unknown (no local checkpoint, no budget in the "
+                "cold file); vLLM checks the host budget itself at start-up",
+            )
+        ]
+    avail = mem_available(setup.meminfo)
+    cg = cgroup_memory(setup.cgroup_root)
+    rooms = []
+    if avail is not None:
+        rooms.append((avail, f"MemAvailable ({setup.meminfo})"))
+    if cg is not None:
+        rooms.append(
+            (
+                cg.room,
+                f"the container's memory limit {cg.limit / GiB:.1f} GiB less "
+                f"{cg.usage / GiB:.1f} GiB in use ({cg.source})",
+            )
+        )
+    what = (
+        f"host experts need {need / GiB:.2f} GiB ({sum(plan.experts_per_rank)} experts x "
+        f"{plan.bytes_per_expert} bytes, per rank {plan.experts_per_rank})"
+    )
+    if not rooms:
+        return [Result("host-memory", "warn", f"{what}; cannot read how much memory is free")]
+    room, source = min(rooms)
+    fix = (
+        "give the container more memory (compose: deploy.resources.limits.memory), stop "
+        "what else uses host memory, or use a smaller cold set"
+    )
+    if need > room:
+        return [
+            Result(
+                "host-memory",
+                "fail",
+                f"{what}, but only {room / GiB:.2f} GiB is free: {source}",
+                fix,
+            )
+        ]
+    reserve_gib = setup.reserve_gib
+    if reserve_gib is None:
+        reserve_gib = RESERVE_GIB_BASE + RESERVE_GIB_PER_GPU * setup.gpus_needed
+    out = []
+    if need + reserve_gib * GiB > room:
+        out.append(
+            Result(
+                "host-memory",
+                "warn",
+                f"{what}; {room / GiB:.2f} GiB is free ({source}), which leaves less than "
+                f"the ~{reserve_gib:.0f} GiB vLLM's own processes usually take",
+                fix,
+            )
+        )
+    else:
+        out.append(Result("host-memory", "ok", f"{what}; {room / GiB:.2f} GiB free ({source})"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        out.append(
+            Result(
+                "host-memory",
+                "warn",
+                f"the locked-memory limit is {soft >> 10} KiB, less than the host experts; "
+                "page-locking them may fail",
+                "ulimit -l unlimited (compose: ulimits: memlock: -1)",
+            )
+        )
+    return out
+
+
+# --- gpus and host-mapping --------------------------------------------------------------------
+
+
+def check_gpus(setup: Setup) -> list[Result]:
+    gpus, how = setup.query_gpus()
+    need = setup.gpus_needed
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    if len(gpus) < need:
+        found = f"{len(gpus)} visible{shown}" if gpus else f"none visible{shown}: {how}"
+        return [
+            Result(
+                "gpus",
+                "fail",
+                f"{need} GPU(s) needed (pipeline parallel {setup.pp} x tensor parallel "
+                f"{setup.tp}), {found}",
+                "give the container the GPUs (docker run --gpus all; compose: "
+                "deploy.resources.reservations.devices with count: "
+                f"{need}) or lower --pipeline-parallel-size",
+            )
+        ]
+    used = gpus[:need]
+    out = []
+    topo = setup.topology
+    if topo is not None and topo.gpus != need:
+        out.append(
+            Result(
+                "gpus",
+                "warn",
+                f"the image is for {topo.name} ({topo.gpus} GPUs), the serve arguments "
+                f"ask for {need}",
+            )
+        )
+    small = [
+        g for g in used if topo and topo.min_vram_bytes and g.total_bytes < topo.min_vram_bytes
+    ]
+    if small:
+        names = ", ".join(f"GPU {g.index} {g.name} {g.total_bytes / GiB:.1f} GiB" for g in small)
+        return out + [
+            Result(
+                "gpus",
+                "fail",
+                f"{topo.name} needs cards of {topo.vram_gib:g} GB; {names}",
+                "use the compose file of a topology that fits these cards (compose/README.md) "
+                "or a larger cold set (more experts in host memory)",
+            )
+        ]
+    busy = [g for g in used if g.free_bytes is not None and g.free_bytes < 0.9 * g.total_bytes]
+    if busy:
+        names = ", ".join(
+            f"GPU {g.index} has {(g.total_bytes - g.free_bytes) / GiB:.1f} GiB in use" for g in busy
+        )
+        out.append(
+            Result("gpus", "warn", f"{names} by other processes", "stop them, or expect less KV")
+        )
+    desc = ", ".join(f"{g.name} {g.total_bytes / GiB:.1f} GiB" for g in used)
+    out.append(Result("gpus", "ok", f"{need} of {len(gpus)} GPU(s) used ({desc}; via {how})"))
+    return out
+
+
+def check_host_mapping(setup: Setup) -> list[Result]:
+    if not setup.offload_configured:
+        return [Result("host-mapping", "skip", "no offload configured")]
+    probes = setup.probes()
+    out = []
+    for p in probes:
+        if p.name == "cudaHostRegister":
+            if p.works is False:
+                out.append(
+                    Result(
+                        "host-mapping",
+                        "fail",
+                        f"{p.name}: {p.detail}; the GPU cannot read page-locked host memory, "
+                        "so expert offload cannot run",
+                        "raise the locked-memory limit (compose: ulimits: memlock: -1), check "
+                        "that the NVIDIA driver supports unified addressing, or unset "
+                        "VLLM_EXPERT_COLD_FILE and VLLM_EXPERT_HOST_LAYERS",
+                    )
+                )
+            elif p.works is None:
+                out.append(Result("host-mapping", "skip", f"{p.name}: {p.detail}"))
+            else:
+                out.append(Result("host-mapping", "ok", f"{p.name}: {p.detail}"))
+        else:
+            status = "ok" if p.works else ("skip" if p.works is None else "warn")
+            note = "" if p.works else "; offload-03's one table falls back to split experts"
+            out.append(Result("host-mapping", status, f"{p.name}: {p.detail}{note}"))
+    return out
+
+
+# --- running the checks ----------------------------------------------------------------------
+
+
+def run_checks(setup: Setup, skip: Sequence[str] = ()) -> list[Result]:
+    results: list[Result] = []
+    cold = None
+    for name in CHECKS:
+        if name in skip:
+            results.append(Result(name, "skip", "skipped on request"))
+            continue
+        if name == "vllm":
+            results += check_vllm(setup)
+        elif name == "cold-file":
+            found, cold = check_cold_file(setup)
+            results += found
+        elif name == "host-memory":
+            results += check_host_memory(setup, cold)
+        elif name == "gpus":
+            results += check_gpus(setup)
+        elif name == "host-mapping":
+            if any(r.check == "gpus" and r.status == "fail" for r in results):
+                results.append(Result(name, "skip", "no usable GPU"))
+            else:
+                results += check_host_mapping(setup)
+    return results
+
+
+def exit_code(results: Sequence[Result]) -> int:
+    for r in results:
+        if r.status == "fail":
+            return EXIT_CODES[r.check]
+    return EXIT_OK
+
+
+def report(results: Sequence[Result], out=sys.stdout) -> None:
+    for r in results:
+        print(f"preflight: {r.status.upper():4} {r.check}: {r.message}", file=out)
+        if r.fix and r.status in ("fail", "warn"):
+            print(f"preflight:      fix: {r.fix}", file=out)
+    failed = [r.check for r in results if r.status == "fail"]
+    if failed:
+        print(
+            f"preflight: {len(failed)} check(s) failed ({', '.join(failed)}); vLLM is not "
+            "started. EO_SKIP_PREFLIGHT=1 starts it anyway.",
+            file=out,
+        )
+    out.flush()
+
+
+EPILOG = f"""checks, in the order they run (exit code of the first that fails):
+  vllm (7)          the installed vLLM is vllm.pin's and the patch series is applied
+  cold-file (6)     VLLM_EXPERT_COLD_FILE exists, is well formed and fits the model
+  host-memory (4)   host experts fit MemAvailable and the container's memory limit
+  gpus (3)          PP x TP GPUs visible, each as large as the topology's cards
+  host-mapping (5)  the driver page-locks host memory for the GPU; VMM host NUMA mapping
+
+exit codes: 0 every check passed (warnings allowed); 2 usage; 3-7 as above.
+environment: EO_TOPOLOGY (default of --topology), EO_PREFLIGHT_SKIP (comma-separated checks
+to skip), VLLM_EXPERT_COLD_FILE, VLLM_EXPERT_HOST_LAYERS, VLLM_PP_LAYER_PARTITION.
+topologies: {", ".join(TOPOLOGIES)}."""
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    argv = list(argv)
+    serve = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(
+        prog="preflight",
+        usage="preflight [options] [-- VLLM_SERVE_ARGS...]",
+        description="Check, before vLLM starts, that this machine and container can serve "
+        "with expert offload; each problem is printed with what to change.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    env = os.environ
+    ap.add_argument("--topology", default=env.get("EO_TOPOLOGY") or None)
+    ap.add_argument("--cold-file", default=env.get("VLLM_EXPERT_COLD_FILE") or None)
+    ap.add_argument("--host-layers", default=env.get("VLLM_EXPERT_HOST_LAYERS", ""))
+    ap.add_argument(
+        "--skip",
+        action="append",
+        choices=CHECKS,
+        default=[s for s in env.get("EO_PREFLIGHT_SKIP", "").split(",") if s],
+        help="a check to skip (repeatable)",
+    )
+    ap.add_argument(
+        "--reserve-gib",
+        type=float,
+        help="host memory vLLM's own processes need besides the host experts (default: "
+        f"{RESERVE_GIB_BASE:g} + {RESERVE_GIB_PER_GPU:g} per GPU); used for a warning",
+    )
+    ap.add_argument("--meminfo", type=pathlib.Path, default=pathlib.Path("/proc/meminfo"))
+    ap.add_argument("--cgroup-root", type=pathlib.Path, default=pathlib.Path("/sys/fs/cgroup"))
+    ap.add_argument("--site", type=pathlib.Path, help="site-packages holding vllm (default: found)")
+    return ap.parse_args(own), serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, serve = parse(sys.argv[1:] if argv is None else argv)
+    bad = [s for s in args.skip if s not in CHECKS]
+    if bad:
+        print(
+            f"preflight: error: unknown check(s) to skip: {bad}; known: {CHECKS}", file=sys.stderr
+        )
+        return EXIT_USAGE
+    try:
+        model, pp, tp = parse_serve_args(serve)
+        topology = get_topology(args.topology)
+    except (ValueError, KeyError) as e:
+        print(f"preflight: error: {e.args[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    setup = Setup(
+        model=model,
+        pp=pp,
+        tp=tp,
+        topology=topology,
+        cold_file=args.cold_file,
+        host_layers=args.host_layers,
+        pp_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
+        meminfo=args.meminfo,
+        cgroup_root=args.cgroup_root,
+        site=args.site,
+        reserve_gib=args.reserve_gib,
+    )
+    results = run_checks(setup, args.skip)
+    report(results)
+    return exit_code(results)

@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The compose files: valid against the Compose Specification (the pinned schema of
+eotools/schemas.py), the serving settings of SPEC section 5, what every service needs (GPUs,
+shared memory, page-locking, health check), and the tiny service's first-start model."""
+
+from __future__ import annotations
+
+import copy
+import http.server
+import json
+import pathlib
+import subprocess
+import sys
+import threading
+
+import pytest
+from eotools import coldcheck, schemas
+from eotools import preflight as pf
+from eotools.dockerfile import substitute
+from eotools.topologies import TOPOLOGIES
+
+FILES = sorted(pathlib.Path(__file__).resolve().parents[2].glob("compose/*.yml"))
+
+# SPEC section 5, the 2x32GB settings exactly as listed there
+SPEC_2X32GB_TEXT = (
+    "--pipeline-parallel-size 2 --tensor-parallel-size 1 --max-model-len 262144 --max-num-seqs 2 "
+    "--max-num-batched-tokens 2048 --kv-cache-memory-bytes 360000000 --enable-prefix-caching "
+    "--mamba-cache-mode align"
+)
+SPEC_2X32GB = SPEC_2X32GB_TEXT.split()
+# the other topologies: what SPEC section 5 says differs from 2x32GB
+SPEC_OTHERS = {
+    "3x24GB": {"--pipeline-parallel-size": "3", "--kv-cache-memory-bytes": "550000000"},
+    "2x24GB": {"--pipeline-parallel-size": "2", "--max-num-batched-tokens": "512"},
+}
+
+
+@pytest.fixture(scope="session")
+def compose_schema() -> dict:
+    return schemas.load_schema("compose")
+
+
+def service(path: pathlib.Path) -> dict:
+    doc = schemas.load_yaml(path)
+    [svc] = doc["services"].values()
+    return svc
+
+
+def flags(command: list[str]) -> dict[str, str | None]:
+    """--flag value pairs of a vllm serve command (a flag without a value maps to None)."""
+    out: dict[str, str | None] = {}
+    for i, arg in enumerate(command):
+        if arg.startswith("--"):
+            nxt = command[i + 1] if i + 1 < len(command) else None
+            out[arg] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_compose_file_is_valid(path, compose_schema):
+    assert schemas.validate(schemas.load_yaml(path), compose_schema) == []
+
+
+def test_the_schema_catches_mistakes(compose_schema):
+    good = schemas.load_yaml(FILES[0])
+    mistakes = {
+        "services.vllm.ipc": lambda s: s.update(ipc=["host"]),
+        "services.vllm": lambda s: s.update(gpu_count=2),  # not a compose key
+        "services.vllm.deploy.resources.reservations.devices.0": lambda s: s["deploy"]["resources"][
+            "reservations"
+        ]["devices"][0].update(capabilites=["gpu"]),
+        "services.vllm.healthcheck.retries": lambda s: s["healthcheck"].update(retries=[3]),
+    }
+    for where, mistake in mistakes.items():
+        doc = copy.deepcopy(good)
+        mistake(doc["services"]["vllm"])
+        errors = schemas.validate(doc, compose_schema)
+        assert errors and any(e.startswith(where) for e in errors), (where, errors)
+
+
+def test_validate_schemas_cli(repo_root, tmp_path):
+    (tmp_path / "compose").mkdir()
+    good = (repo_root / "compose/tiny.yml").read_text()
+    (tmp_path / "compose/good.yml").write_text(good)
+    (tmp_path / "compose/bad.yml").write_text(good.replace("ipc: host", "ipc: [host]"))
+    r = subprocess.run(
+        [sys.executable, str(repo_root / "scripts/validate-schemas"), "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1
+    assert "compose/good.yml: valid" in r.stdout
+    assert "compose/bad.yml: not valid" in r.stderr and "services.vllm.ipc" in r.stderr
+
+
+def test_2x32GB_serves_the_spec_settings(repo_root):
+    svc = service(repo_root / "compose/2x32GB.yml")
+    model, *args = svc["command"]
+    assert substitute(model, {}) == "/models/Qwen3.8-Flash-Next-INT4"
+    assert substitute(model, {"MODEL_NAME": "other"}) == "/models/other"
+    assert args == SPEC_2X32GB
+    cold = svc["environment"]["VLLM_EXPERT_COLD_FILE"]
+    assert substitute(cold, {}) == "/cold/3GiB-per-card.json"
+    assert substitute(cold, {"COLD_FILE": "/cold/2GiB.json"}) == "/cold/2GiB.json"
+
+
+@pytest.mark.parametrize("name", list(SPEC_OTHERS))
+def test_other_topologies_change_only_what_the_spec_says(repo_root, name):
+    svc = service(repo_root / f"compose/{name}.yml")
+    expected = flags(SPEC_2X32GB) | SPEC_OTHERS[name]
+    assert flags(svc["command"][1:]) == expected
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_service_has_what_serving_needs(path):
+    svc = service(path)
+    topo = TOPOLOGIES[path.stem]
+    # the image of this topology, which the preflight checks the GPUs against
+    assert svc["build"] == {"context": "..", "args": {"TOPOLOGY": topo.name}}
+    assert svc["image"] == f"vllm-expert-offload:{topo.name}"
+    _, pp, tp = pf.parse_serve_args(svc["command"])
+    [gpu] = svc["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
+    assert gpu["count"] == pp * tp == topo.gpus == topo.pipeline_parallel_size * tp
+    assert svc["ipc"] == "host"
+    assert svc["ulimits"] == {"memlock": -1}
+    assert svc["restart"].startswith("on-failure")
+    assert "VLLM_EXPERT_COLD_FILE" in svc["environment"]  # the offload path is active
+    volumes = [substitute(v, {}).split(":") for v in svc["volumes"]]
+    mounts = {v[1]: v[0] for v in volumes}
+    assert any(v.startswith("${MODEL_DIR:-") for v in svc["volumes"])  # a folder of yours
+    assert "/models" in mounts
+    assert substitute(svc["ports"][0], {}) == "8000:8000"
+    hc = svc["healthcheck"]
+    assert hc["test"][0] == "CMD" and "/health" in hc["test"][-1]
+    if path.stem != "tiny":
+        assert mounts == {
+            "/models": "../models",
+            "/cold": "../cold",
+            "/root/.cache/huggingface": "~/.cache/huggingface",
+        }
+        assert any(v.startswith("${HF_CACHE:-") for v in svc["volumes"])
+        assert any(v.startswith("${COLD_DIR:-") for v in svc["volumes"])
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802 (the http.server API)
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def run_healthcheck(test: list[str], port: int) -> int:
+    argv = [a.replace("localhost:8000", f"127.0.0.1:{port}") for a in test[1:]]
+    argv[0] = sys.executable if argv[0] == "python3" else argv[0]
+    return subprocess.run(argv, capture_output=True, timeout=30).returncode
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_the_healthcheck_command_asks_health(path):
+    test = service(path)["healthcheck"]["test"]
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    port = server.server_address[1]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        Health.status = 200
+        assert run_healthcheck(test, port) == 0
+        Health.status = 503  # vLLM's answer while its engine is dead
+        assert run_healthcheck(test, port) != 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert run_healthcheck(test, port) != 0  # nothing listening
+
+
+def test_tiny_service_makes_its_model_and_cold_file(repo_root, tmp_path):
+    svc = service(repo_root / "compose/tiny.yml")
+    script = svc["entrypoint"][2]
+    cold = svc["environment"]["VLLM_EXPERT_COLD_FILE"]
+    model = svc["command"][0]
+    prepare = "python3 /opt/expert-offload/scripts/prepare-tiny-model"
+    assert f"{prepare} {model} {cold}" in script
+    assert 'exec /opt/expert-offload/scripts/entrypoint.sh "$$@"' in script  # $$: compose's $
+    assert flags(svc["command"])["--served-model-name"] == "tiny"
+
+    # what that first start does, here on the CPU
+    out_model, out_cold = tmp_path / "tiny", tmp_path / "tiny-cold.json"
+    cmd = [sys.executable, str(repo_root / "scripts/prepare-tiny-model"), str(out_model)]
+    r = subprocess.run([*cmd, str(out_cold)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out_cold.read_text())
+    assert doc["model"]["num_layers"] == 4 and doc["model"]["num_experts"] == 512
+    assert sorted(map(len, doc["layers"].values())) == [64] * 4
+    # the preflight accepts the pair, with the expert size from the checkpoint's headers
+    setup = pf.Setup(model=str(out_model), cold_file=str(out_cold))
+    [ok] = pf.check_cold_file(setup)[0]
+    assert ok.status == "ok", ok
+    plan = coldcheck.plan_host_experts(
+        coldcheck.load_cold_file(out_cold), coldcheck.read_model_config(str(out_model)), pp=1
+    )
+    assert plan.experts_per_rank == [256] and plan.bytes_per_expert > 0
+    assert plan.source.startswith("the checkpoint")
+    # a second start keeps both
+    stamp = (out_model / "config.json").stat().st_mtime_ns, out_cold.stat().st_mtime_ns
+    r = subprocess.run([*cmd, str(out_cold)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.count("is there") == 2
+    assert stamp == ((out_model / "config.json").stat().st_mtime_ns, out_cold.stat().st_mtime_ns)

@@ -1,10 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """Command line of scripts/count-experts: count router picks per data set.
 
-Sources: `synthetic` reads a make-test-model checkpoint's planted routers (exact for those
-models: their picks are a known function of the tokens, checked against vLLM's own record on
-a GPU) and needs no GPU. Counting a real model on a running server or an offline engine needs
-the counting hook of the series, which is not written yet.
+Sources:
+  synthetic  reads a make-test-model checkpoint's planted routers (exact for those models:
+             their picks are a known function of the tokens) and needs no GPU.
+  server     drives a running vLLM server (OpenAI completions API) started with the
+             series' counting hook, VLLM_EXPERT_COUNT_FILE=PATH, and reads the hook's
+             file(s) before and after each data set: the set's counts are the difference.
+             This machine must see PATH (same host or a shared volume): pass it as
+             --counts-file. To get a fresh snapshot the tool writes a nonce to
+             PATH.request; every rank's writer then rewrites its file (PATH, or
+             PATH-stem.ppN/.dpN.json per rank) with that nonce. Serve nothing else while
+             counting, and disable prefix caching (a cached prefix is not prefilled, so
+             it is not counted).
 """
 
 from __future__ import annotations
@@ -12,15 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
 
 import numpy as np
 
 from .coldset import model_identity
-from .counts import Counts
+from .counts import Counts, CountsError, load_counts, merge_ranks, subtract
 
 EPILOG = """exit codes: 0 counted; 1 bad input (missing or empty data set, unknown source,
-a model that is not a make-test-model checkpoint for --source synthetic); 2 usage."""
+a model that is not a make-test-model checkpoint for --source synthetic, a server that does
+not answer or whose hook does not write PATH); 2 usage."""
 
 
 def read_dataset(path: pathlib.Path) -> list[str]:
@@ -88,6 +102,151 @@ def synthetic_counts(
     )
 
 
+class HookFiles:
+    """The counting hook's files as this machine sees them: PATH itself (one rank) or
+    PATH-stem[.dpN][.ppN]suffix (several ranks)."""
+
+    def __init__(self, path: pathlib.Path, timeout_s: float = 120.0, poll_s: float = 0.2):
+        self.path = pathlib.Path(path)
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        stem, suffix = self.path.stem, self.path.suffix
+        self._rank_name = re.compile(
+            re.escape(stem) + r"(\.dp\d+)?(\.pp\d+)?" + re.escape(suffix) + "$"
+        )
+
+    @property
+    def request_path(self) -> pathlib.Path:
+        return self.path.with_name(self.path.name + ".request")
+
+    def rank_files(self) -> list[pathlib.Path]:
+        if not self.path.parent.is_dir():
+            return []
+        return sorted(p for p in self.path.parent.iterdir() if self._rank_name.match(p.name))
+
+    def _answered(self, nonce: str) -> list[Counts] | None:
+        parts = []
+        for p in self.rank_files():
+            try:
+                c = load_counts(p)
+            except CountsError:
+                return None  # being replaced right now: look again
+            if (c.extra.get("snapshot") or {}).get("request") == nonce:
+                parts.append(c)
+        if not parts:
+            return None
+        rank = parts[0].extra.get("rank") or {}
+        want = int(rank.get("pp_size", 1)) * int(rank.get("dp_size", 1))
+        return parts if len(parts) == want else None
+
+    def snapshot(self) -> Counts:
+        """Ask every rank to write now; the merged counts once all have answered."""
+        nonce = uuid.uuid4().hex
+        tmp = self.request_path.with_name(self.request_path.name + ".tmp")
+        try:
+            tmp.write_text(nonce + "\n")
+            tmp.replace(self.request_path)
+        except OSError as e:
+            raise CountsError(
+                f"cannot ask the counting hook for a snapshot ({e}): does this machine see "
+                f"the server's VLLM_EXPERT_COUNT_FILE={self.path}?"
+            ) from e
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            parts = self._answered(nonce)
+            if parts is not None:
+                return merge_ranks(parts)
+            time.sleep(self.poll_s)
+        raise CountsError(
+            f"the counting hook did not answer within {self.timeout_s:.0f} s: is the server "
+            f"running with VLLM_EXPERT_COUNT_FILE={self.path}, and does this machine see "
+            "that path (same host or a shared volume)?"
+        )
+
+
+class CompletionsClient:
+    """The two calls of the OpenAI API that counting needs, with the standard library."""
+
+    def __init__(self, url: str, model: str | None = None, timeout_s: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.model = model or self.models()[0]
+
+    def _call(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
+            raise CountsError(f"server {self.url}{path}: {e}") from e
+
+    def models(self) -> list[str]:
+        ids = [m["id"] for m in self._call("/v1/models").get("data", [])]
+        if not ids:
+            raise CountsError(f"server {self.url} serves no model")
+        return ids
+
+    def complete(self, prompt: str, max_tokens: int) -> dict:
+        out = self._call(
+            "/v1/completions",
+            {
+                "model": self.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,  # vLLM: exactly max_tokens decode steps
+            },
+        )
+        return out.get("usage") or {}
+
+
+def server_counts(
+    client: CompletionsClient,
+    hook: HookFiles,
+    name: str,
+    kind: str,
+    path: pathlib.Path,
+    mode: str,
+    decode_tokens: int,
+) -> Counts:
+    """Counts of one data set on a running server: the hook's snapshot after the set
+    minus the one before it."""
+    seqs = read_dataset(path)
+    if not seqs:
+        raise ValueError(f"data set {name!r} ({path}) holds no text")
+    max_tokens = 1 if mode == "prefill" else decode_tokens
+    before = hook.snapshot()
+    usage = {"prompt_tokens": 0, "completion_tokens": 0}
+    for text in seqs:
+        u = client.complete(text, max_tokens)
+        for k in usage:
+            usage[k] += int(u.get(k, 0))
+    after = hook.snapshot()
+    diff = subtract(after, before)
+    if diff.tokens() == 0 or int(diff.total.sum()) == 0:
+        raise ValueError(
+            f"data set {name!r}: the hook counted no tokens; is {hook.path} the file of "
+            f"the server at {client.url}?"
+        )
+    diff.data = {
+        "name": name,
+        "kind": kind,
+        "source": str(path),
+        "sequences": len(seqs),
+        "tokens": diff.data["tokens"],
+        "mode": mode,
+        "decode_tokens_per_sequence": max_tokens if mode == "generate" else 0,
+        "api_usage": usage,
+        "server": {"url": client.url, "served_model": client.model},
+    }
+    diff.tool = f"scripts/count-experts --source server ({mode}; vLLM counting hook)"
+    for k in ("ranks", "snapshot"):
+        diff.extra.pop(k, None)
+    return diff
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="count-experts",
@@ -95,7 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--model", type=pathlib.Path, required=True)
+    ap.add_argument(
+        "--model",
+        type=pathlib.Path,
+        help="--source synthetic: the make-test-model checkpoint; --source server: the "
+        "served model name (default: the server's first)",
+    )
     ap.add_argument(
         "--data",
         action="append",
@@ -117,7 +281,23 @@ def main(argv: list[str] | None = None) -> int:
         default=128,
         help="tokens to generate after each sequence (its decode picks)",
     )
-    ap.add_argument("--source", choices=("synthetic",), default="synthetic")
+    ap.add_argument("--source", choices=("synthetic", "server"), default="synthetic")
+    ap.add_argument("--url", default="http://localhost:8000", help="--source server")
+    ap.add_argument(
+        "--counts-file",
+        type=pathlib.Path,
+        help="--source server: the server's VLLM_EXPERT_COUNT_FILE as seen from here",
+    )
+    ap.add_argument(
+        "--mode",
+        choices=("generate", "prefill"),
+        default="generate",
+        help="--source server: generate --decode-tokens per sequence, or prefill only "
+        "(max_tokens=1; feed generated text back to count its decode picks)",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the hook's file"
+    )
     ap.add_argument(
         "--out-dir", type=pathlib.Path, required=True, help="writes <NAME>.json per data set"
     )
@@ -128,6 +308,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("error: --data takes NAME=PATH", file=sys.stderr)
         return 2
+    client = hook = None
+    if args.source == "synthetic" and args.model is None:
+        print("error: --source synthetic needs --model", file=sys.stderr)
+        return 2
+    if args.source == "server":
+        if args.counts_file is None:
+            print("error: --source server needs --counts-file", file=sys.stderr)
+            return 2
+        try:
+            client = CompletionsClient(args.url, str(args.model) if args.model else None)
+        except CountsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        hook = HookFiles(args.counts_file, timeout_s=args.timeout)
     try:
         from tqdm import tqdm
     except ImportError:  # plain progress lines
@@ -138,9 +332,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: data set {name!r}: no file {path}", file=sys.stderr)
             return 1
         try:
-            counts = synthetic_counts(
-                args.model, name, kinds.get(name, name), path, args.decode_tokens
-            )
+            if args.source == "server":
+                counts = server_counts(
+                    client,
+                    hook,
+                    name,
+                    kinds.get(name, name),
+                    path,
+                    args.mode,
+                    args.decode_tokens,
+                )
+            else:
+                counts = synthetic_counts(
+                    args.model, name, kinds.get(name, name), path, args.decode_tokens
+                )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -13,6 +13,12 @@ File format (JSON, written atomically)::
 
 Rows are absolute layer numbers 0..num_layers-1; layers without routed experts (or not
 counted) hold zeros.
+
+Optional keys, written by the vLLM counting hook (VLLM_EXPERT_COUNT_FILE), one file per
+pipeline-parallel (and data-parallel) rank: "layers" (the absolute layer numbers this file
+counted), "rank" ({"pp_rank", "pp_size", "dp_rank", "dp_size"}) and "snapshot" ({"seq",
+"time", "started", "pid", "request"}). `merge_ranks` unions one snapshot's rank files into
+one set of counts; `subtract` turns two snapshots of one server into the counts between them.
 """
 
 from __future__ import annotations
@@ -134,3 +140,112 @@ def check_same_model(sets: list[Counts], model: dict[str, Any] | None = None) ->
                 f"data set {c.data.get('name')!r} has no counted tokens: "
                 "check that the data file is not empty"
             )
+
+
+MODEL_KEYS = ("name", "revision", "architecture", "num_layers", "num_experts")
+
+
+def _rank(c: Counts) -> dict[str, int]:
+    r = c.extra.get("rank") or {}
+    return {
+        k: int(r.get(k, d))
+        for k, d in (("pp_rank", 0), ("pp_size", 1), ("dp_rank", 0), ("dp_size", 1))
+    }
+
+
+def _layers(c: Counts) -> list[int]:
+    if "layers" in c.extra:
+        return sorted(int(x) for x in c.extra["layers"])
+    return [i for i, row in enumerate(c.total) if row.any()]  # older files: counted rows
+
+
+def _check_one_model(parts: list[Counts], what: str) -> None:
+    ref = parts[0]
+    for c in parts[1:]:
+        for k in MODEL_KEYS:
+            a, b = ref.model.get(k), c.model.get(k)
+            if a is not None and b is not None and a != b:
+                raise CountsError(
+                    f"{what} come from different models ({k} {a!r} and {b!r}): use the "
+                    "files of one server run"
+                )
+        if c.prefill.shape != ref.prefill.shape or c.top_k != ref.top_k:
+            raise CountsError(
+                f"{what} disagree on shape: {ref.prefill.shape} top-{ref.top_k} and "
+                f"{c.prefill.shape} top-{c.top_k}"
+            )
+
+
+def merge_ranks(parts: list[Counts]) -> Counts:
+    """Union the per-rank files of one server (the hook's `.ppN`/`.dpN` files): each
+    pipeline rank contributes its own layers, data-parallel ranks add up. Raises
+    CountsError on files of different models, a layer counted by two pipeline ranks of
+    one data-parallel rank, or a missing or mismatched rank."""
+    if not parts:
+        raise CountsError("no counts files to merge")
+    _check_one_model(parts, "the rank files")
+    ranks = [_rank(c) for c in parts]
+    pp_size, dp_size = ranks[0]["pp_size"], ranks[0]["dp_size"]
+    if any(r["pp_size"] != pp_size or r["dp_size"] != dp_size for r in ranks):
+        raise CountsError("the rank files come from runs with different parallel sizes")
+    by_dp: dict[int, list[int]] = {}
+    for i, r in enumerate(ranks):
+        by_dp.setdefault(r["dp_rank"], []).append(i)
+    if sorted(by_dp) != list(range(dp_size)):
+        raise CountsError(f"data-parallel rank files {sorted(by_dp)} of {dp_size}: missing")
+    prefill = np.zeros_like(parts[0].prefill)
+    decode = np.zeros_like(prefill)
+    tokens = {"prefill": 0, "decode": 0}
+    layers: set[int] = set()
+    for dp, members in sorted(by_dp.items()):
+        pps = sorted(ranks[i]["pp_rank"] for i in members)
+        if pps != list(range(pp_size)):
+            raise CountsError(
+                f"data-parallel rank {dp}: pipeline rank files {pps}, expected "
+                f"0..{pp_size - 1} once each (a file is missing or given twice)"
+            )
+        seen: dict[int, int] = {}
+        for i in members:
+            for layer in _layers(parts[i]):
+                if layer in seen:
+                    raise CountsError(
+                        f"layer {layer} is counted by pipeline ranks {seen[layer]} and "
+                        f"{ranks[i]['pp_rank']}: these files are not one server's ranks"
+                    )
+                seen[layer] = ranks[i]["pp_rank"]
+            prefill += parts[i].prefill
+            decode += parts[i].decode
+        layers |= set(seen)
+        for phase in tokens:  # every pipeline rank sees every token of its batch
+            tokens[phase] += max(parts[i].tokens(phase) for i in members)
+    first = parts[0]
+    extra = {k: v for k, v in first.extra.items() if k not in ("layers", "rank", "snapshot")}
+    extra["layers"] = sorted(layers)
+    extra["ranks"] = [
+        {**ranks[i], "snapshot": parts[i].extra.get("snapshot")} for i in range(len(parts))
+    ]
+    data = {**first.data, "tokens": tokens}
+    return Counts(first.model, data, prefill, decode, first.top_k, first.tool, extra)
+
+
+def subtract(after: Counts, before: Counts) -> Counts:
+    """The counts between two snapshots of one server (merged or single-rank)."""
+    _check_one_model([after, before], "the two snapshots")
+    if _layers(after) != _layers(before) and "layers" in after.extra:
+        raise CountsError("the two snapshots count different layers: not one server run")
+    prefill, decode = after.prefill - before.prefill, after.decode - before.decode
+    tokens = {p: after.tokens(p) - before.tokens(p) for p in ("prefill", "decode")}
+    if (prefill < 0).any() or (decode < 0).any() or min(tokens.values()) < 0:
+        raise CountsError(
+            "counts went down between the two snapshots: the server restarted in between; "
+            "count again"
+        )
+    return Counts(
+        after.model,
+        {**after.data, "tokens": tokens},
+        prefill,
+        decode,
+        after.top_k,
+        after.tool,
+        dict(after.extra),
+    )

@@ -6,7 +6,7 @@ call's arguments the way the VMM rules require (sizes and addresses multiples of
 granularity, maps inside a reservation and not overlapping, unmap exactly what was
 mapped, free a reservation with nothing mapped in it) and can make any call fail.
 
-    scripts/test tests/cpu/test_vmm.py
+    scripts/test tests/cpu/test_vmm_driver_calls.py
 """
 
 from __future__ import annotations

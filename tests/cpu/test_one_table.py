@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""offload-03's merge on the CPU: a split layer's two tables become one table per tensor
+(GPU experts first, then host experts), the router gate's rows follow, router ids become
+table rows, parameter names stay upstream's, and a refused allocation changes nothing.
+The VMM range itself and the kernel setup on merged tensors run on a GPU
+(tests/gpu/test_vmm_gpu.py; the engine tests).
+
+    scripts/test tests/cpu/test_one_table.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_offload_layers import HIDDEN, WIDTH, E, K, build, checkpoint, cold_file
+
+COLD = [0, 7, 8, 13]
+
+
+@pytest.fixture(scope="module")
+def vllm_cpu():
+    from eotools.vllm_context import single_process_vllm
+
+    with single_process_vllm("gloo") as config:
+        yield config
+
+
+@pytest.fixture
+def loaded(vllm_cpu, tmp_path, monkeypatch):
+    """A loaded split layer (layer 2, COLD on host) with a BF16 router gate, and a kernel
+    setup that records what it was given (the CPU has no MoE kernels to set up)."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    runner = build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: COLD}))
+    list(runner.load_weights(iter(checkpoint())))
+    g = torch.Generator().manual_seed(0)
+    runner.gate = torch.nn.Linear(HIDDEN, E, bias=False)
+    runner.gate.weight.data = torch.randn(E, HIDDEN, generator=g).bfloat16()
+    setups = []
+
+    def record(module):
+        setups.append({n: p.data for n, p in module.named_parameters(recurse=False)})
+        module.quant_method.moe_quant_config = "set up on the merged tensors"
+
+    monkeypatch.setitem(one_table.KERNEL_SETUP, "UnquantizedFusedMoEMethod", record)
+    return runner, setups
+
+
+def test_one_table_holds_gpu_experts_then_host_experts(loaded):
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    runner, setups = loaded
+    module = runner.routed_experts
+    names = [n for n, _ in runner.named_parameters()]
+    table = one_table.merge(module, runner, one_table.cpu_allocator)
+
+    order = [e for e in range(E) if e not in COLD] + COLD
+    assert table.row_to_expert == order
+    assert (table.gpu_rows, table.host_rows) == (E - len(COLD), len(COLD))
+    # checkpoint() fills every value of expert e with e: row r holds expert order[r]
+    assert module.w13_weight[:, 0, 0].tolist() == order
+    assert module.w13_weight[:, WIDTH, 0].tolist() == order  # up_proj half
+    assert module.w2_weight[:, 0, 0].tolist() == order
+    # one table: every expert local, no expert map, names exactly as before
+    assert module.local_num_experts == E and module.expert_map is None
+    assert module.moe_config.num_local_experts == E
+    assert [n for n, _ in runner.named_parameters()] == names
+    # the host table let go of its rows; the kernel was set up once, on the merged tensors
+    assert all(p.numel() == 0 for p in module.host_experts.parameters())
+    assert len(setups) == 1
+    assert setups[0]["w13_weight"].data_ptr() == module.w13_weight.data_ptr()
+    assert module.quant_method.moe_quant_config == "set up on the merged tensors"
+
+
+def test_router_ids_become_table_rows_for_the_same_experts(loaded):
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    runner, _ = loaded
+    x = torch.randn(256, HIDDEN, dtype=torch.float64)
+
+    def picks():  # in float64, so the GEMM's blocking cannot break near-ties differently
+        return (x @ runner.gate.weight.double().T).topk(K, dim=-1).indices
+
+    before = picks()
+    table = one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
+    rows = picks()
+    experts = torch.tensor(table.row_to_expert)[rows]
+    # the same experts, by original id (random logits: no ties to break differently)
+    assert torch.equal(experts.sort(-1).values, before.sort(-1).values)
+    assert not torch.equal(rows, before)  # and the ids really are rows now
+
+
+def test_a_refused_allocation_changes_nothing(loaded):
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    runner, setups = loaded
+    module = runner.routed_experts
+    before = {n: p.data.clone() for n, p in module.named_parameters(recurse=False)}
+    gate = runner.gate.weight.data.clone()
+    closed = []
+
+    class Range:
+        def close(self):
+            closed.append(self)
+
+    calls = []
+
+    def allocate(rows, gpu_rows, row_shape, dtype, device):
+        calls.append(row_shape)
+        if len(calls) == 2:
+            raise RuntimeError("cuMemCreate[host] refused (injected)")
+        return torch.empty((rows, *row_shape), dtype=dtype), Range()
+
+    with pytest.raises(RuntimeError, match="injected"):
+        one_table.merge(module, runner, allocate)
+    assert len(closed) == 1  # the first table's range was released
+    for n, p in module.named_parameters(recurse=False):
+        assert torch.equal(p.data, before[n])
+    assert torch.equal(runner.gate.weight.data, gate)
+    assert module.expert_map is not None and not setups  # still offload-02's two tables
+
+
+def test_a_router_with_per_expert_state_is_refused(loaded):
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import (
+        ExpertOffloadError,
+    )
+
+    runner, _ = loaded
+
+    class GroupedTopKRouter:
+        pass
+
+    runner.router = GroupedTopKRouter()
+    with pytest.raises(ExpertOffloadError, match="GroupedTopKRouter"):
+        one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
+
+
+def test_an_unknown_quantisation_method_is_refused_before_any_change(loaded, monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import (
+        ExpertOffloadError,
+    )
+
+    runner, _ = loaded
+    monkeypatch.delitem(one_table.KERNEL_SETUP, "UnquantizedFusedMoEMethod")
+    w13 = runner.routed_experts.w13_weight.data_ptr()
+    with pytest.raises(ExpertOffloadError, match="UnquantizedFusedMoEMethod"):
+        one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
+    assert runner.routed_experts.w13_weight.data_ptr() == w13

@@ -35,3 +35,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def repo_root() -> pathlib.Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> pathlib.Path:
+    """A make-test-model description without weights (tiny preset, INT4, 4 layers): config,
+    tokenizer and synthetic_model.json, which states the expert bytes."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("models") / "tiny-int4-4l"
+    cmd = [sys.executable, str(ROOT / "scripts/make-test-model"), str(out), "--preset", "tiny"]
+    subprocess.run([*cmd, "--layers", "4", "--no-weights"], check=True, capture_output=True)
+    return out

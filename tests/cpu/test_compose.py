@@ -138,8 +138,13 @@ def test_every_service_has_what_serving_needs(path):
             "/models": "../models",
             "/cold": "../cold",
             "/root/.cache/huggingface": "~/.cache/huggingface",
+            "/state": "../state",
         }
         assert any(v.startswith("${HF_CACHE:-") for v in svc["volumes"])
+        # without a cold file at that path, the entrypoint makes a budget-only start
+        env = svc["environment"]
+        assert float(substitute(env["EO_HOST_BUDGET_GIB"], {})) > 0
+        assert env["EO_STATE_DIR"] == "/state"
         assert any(v.startswith("${COLD_DIR:-") for v in svc["volumes"])
 
 

@@ -290,20 +290,22 @@ def test_dockerfile_layout(repo_root):
     assert kinds.count("FROM") == 1 and "CMD" not in kinds  # vllm serve's arguments: the user's
 
 
-def fake_vllm(bin_dir: pathlib.Path) -> pathlib.Path:
-    """A `vllm` that records its arguments instead of serving."""
+def fake_vllm(bin_dir: pathlib.Path, env_vars: tuple[str, ...] = ()) -> pathlib.Path:
+    """A `vllm` that records its arguments (after the values of `env_vars`) instead of
+    serving."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     log = bin_dir / "vllm.args"
     exe = bin_dir / "vllm"
-    exe.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {log}\n')
+    shown = "".join(f' "${v}"' for v in env_vars)
+    exe.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n"{shown} "$@" > {log}\n')
     exe.chmod(0o755)
     return log
 
 
 def run_entrypoint(
-    repo_root, tmp_path, args, **env_extra
+    repo_root, tmp_path, args, env_vars=(), **env_extra
 ) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
-    log = fake_vllm(tmp_path / "bin")
+    log = fake_vllm(tmp_path / "bin", env_vars)
     python = pathlib.Path(sys.executable).parent
     env = {
         **os.environ,
@@ -337,3 +339,24 @@ def test_entrypoint_stops_when_the_preflight_fails(repo_root, tmp_path):
     assert r.returncode == 3, r.stdout + r.stderr
     assert "FAIL gpus: 2 GPU(s) needed" in r.stdout
     assert not log.exists()
+
+
+def test_entrypoint_makes_a_budget_only_start_when_the_cold_file_is_missing(
+    repo_root, tmp_path, tiny_model
+):
+    state = tmp_path / "state"
+    r, log = run_entrypoint(
+        repo_root,
+        tmp_path,
+        [str(tiny_model), "--max-model-len", "4096"],
+        ("VLLM_EXPERT_COLD_FILE", "VLLM_EXPERT_COUNT_FILE"),
+        EO_SKIP_PREFLIGHT="1",
+        EO_HOST_BUDGET_GIB="0.001",
+        EO_STATE_DIR=str(state),
+    )
+    assert r.returncode == 0, r.stderr
+    cold, counts, *args = log.read_text().splitlines()
+    assert cold == str(state / "cold-0.001GiB.json") and pathlib.Path(cold).is_file()
+    assert counts == str(state / "run" / "counts.json")
+    assert args == ["serve", str(tiny_model), "--max-model-len", "4096"]
+    assert "initial placement" in r.stderr

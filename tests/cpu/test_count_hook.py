@@ -25,14 +25,6 @@ PREFIX = "model.layers.{}.mlp.experts"
 
 
 # ---- the hook inside vLLM ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def vllm_cpu():
-    from eotools.vllm_context import single_process_vllm
-
-    with single_process_vllm("gloo") as config:
-        yield config
-
-
 @pytest.fixture()
 def hook(monkeypatch, tmp_path):
     from vllm.model_executor.layers.fused_moe.expert_offload import planner, usage_counts

@@ -24,14 +24,6 @@ E, K, HIDDEN, WIDTH = 16, 4, 64, 32
 PREFIX = "model.layers.{}.mlp.experts"
 
 
-@pytest.fixture(scope="module")
-def vllm_cpu():
-    from eotools.vllm_context import single_process_vllm
-
-    with single_process_vllm("gloo") as config:
-        yield config
-
-
 @pytest.fixture(autouse=True)
 def clean_offload_env(monkeypatch):
     from vllm.model_executor.layers.fused_moe.expert_offload import planner, processing
@@ -334,9 +326,10 @@ def test_the_leak_test_fails_on_the_code_before_the_fix(tmp_path, repo_root):
     )
     code = (
         f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n"
-        "import test_offload_layers as t, contextlib\n"
-        "gen = t.vllm_cpu.__wrapped__()\nnext(gen)\n"
-        f"print('RESULT', t.leak_probe({cold_file(tmp_path, {2: [1, 5]})!r}))\n"
+        "import test_offload_layers as t\n"
+        "from eotools.vllm_context import single_process_vllm\n"
+        "with single_process_vllm('gloo'):\n"
+        f"    print('RESULT', t.leak_probe({cold_file(tmp_path, {2: [1, 5]})!r}))\n"
     )
     env = {
         **os.environ,

@@ -17,14 +17,6 @@ from test_offload_layers import HIDDEN, WIDTH, E, K, build, checkpoint, cold_fil
 COLD = [0, 7, 8, 13]
 
 
-@pytest.fixture(scope="module")
-def vllm_cpu():
-    from eotools.vllm_context import single_process_vllm
-
-    with single_process_vllm("gloo") as config:
-        yield config
-
-
 @pytest.fixture
 def loaded(vllm_cpu, tmp_path, monkeypatch):
     """A loaded split layer (layer 2, COLD on host) with a BF16 router gate, and a kernel

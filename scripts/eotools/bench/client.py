@@ -23,6 +23,20 @@ class RequestFailed(RuntimeError):
     pass
 
 
+def greedy_body(model: str, prompt: str | list[int], max_tokens: int, seed: int) -> dict:
+    """The greedy, fixed-length completion every tool here asks for: temperature 0, a fixed
+    seed, no early stop, token ids returned."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": seed,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
 def completion_body(
     model: str,
     prompt: str | list[int],
@@ -32,17 +46,8 @@ def completion_body(
     extra: dict[str, Any] | None = None,
 ) -> dict:
     """A greedy, fixed-length streaming request (temperature 0, ignore_eos, fixed seed)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "seed": seed,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
+    body = greedy_body(model, prompt, max_tokens, seed)
+    body.update(stream=True, stream_options={"include_usage": True})
     if count_via == "logprobs":
         body["logprobs"] = 0
     body.update(extra or {})

@@ -41,17 +41,8 @@ def generate(
     url: str, model: str, prompt, max_tokens: int, seed: int
 ) -> tuple[list[int], list[int]]:
     """(prompt token ids, greedy generated token ids) from one server."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "seed": seed,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "logprobs": 0,
-        "return_tokens_as_token_ids": True,
-    }
+    body = client.greedy_body(model, prompt, max_tokens, seed)
+    body.update(logprobs=0, return_tokens_as_token_ids=True)
     res = client.post_json(url.rstrip("/") + "/v1/completions", body)
     choice = res["choices"][0]
     gen = choice.get("token_ids")

@@ -18,10 +18,9 @@ import time
 
 import numpy as np
 import pytest
+import test_offload_layers as offload_layers
 import torch
-
-E, K, HIDDEN, WIDTH = 16, 4, 64, 32
-PREFIX = "model.layers.{}.mlp.experts"
+from test_offload_layers import HIDDEN, E, K
 
 
 # ---- the hook inside vLLM ----------------------------------------------------------------------
@@ -39,25 +38,8 @@ def hook(monkeypatch, tmp_path):
 
 
 def build(layer: int, count_file: str | None = None):
-    from vllm.config import get_current_vllm_config
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
-
-    get_current_vllm_config().compilation_config.static_forward_context.pop(
-        PREFIX.format(layer), None
-    )
-    if count_file is not None:
-        os.environ["VLLM_EXPERT_COUNT_FILE"] = count_file
-    try:
-        return FusedMoEFactory(
-            num_experts=E,
-            top_k=K,
-            hidden_size=HIDDEN,
-            intermediate_size=WIDTH,
-            params_dtype=torch.bfloat16,
-            prefix=PREFIX.format(layer),
-        )
-    finally:
-        os.environ.pop("VLLM_EXPERT_COUNT_FILE", None)
+    env = {"VLLM_EXPERT_COUNT_FILE": count_file} if count_file is not None else {}
+    return offload_layers.build(layer, **env)
 
 
 def route(runner, topk_ids: torch.Tensor):

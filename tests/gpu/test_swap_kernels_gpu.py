@@ -1,0 +1,299 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU tests of the runtime-swap kernels: the CPU checks with compiled kernels on
+CUDA, the kernels inside CUDA graphs, host-memory rows of a VMM table, and timings.
+
+Needs compiled kernels (TRITON_INTERPRET unset; tests/cpu/test_swap_kernels.py leaves it
+so):
+
+    scripts/test-gpu tests/gpu/test_swap_kernels_gpu.py -s
+
+``-s`` shows the timing lines (informational, nothing is asserted on them).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+from collections.abc import Callable
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip(
+        "TRITON_INTERPRET=1 is set: the GPU tests need compiled kernels",
+        allow_module_level=True,
+    )
+
+import swap_harness as h  # noqa: E402
+from eotools.swap_policy import SwapPolicy  # noqa: E402
+from vllm.model_executor.layers.fused_moe.expert_offload import swap as sk  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+DEVICE = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _bind_module() -> None:
+    h.bind(sk)
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("experts", "gpu_rows", "policy", "rounds"),
+    [
+        (48, [0, 48, 1, 47, 24, 12], SwapPolicy(8, 64.0, 2.0), 1500),
+        (40, [5, 20, 35], SwapPolicy(4, 32.0, 0.0), 1500),
+        (512, [0, 512, 384, 448, 100], SwapPolicy(), 600),  # BLOCK = E, 16 warps
+        (300, [150, 299], SwapPolicy(8, 128.0, 1.0), 600),
+    ],
+)
+def test_decide_matches_reference(
+    experts: int, gpu_rows: list[int], policy: SwapPolicy, rounds: int
+) -> None:
+    swaps = h.check_policy_match(DEVICE, experts, gpu_rows, policy, rounds, top_k=8)
+    for layer, g in enumerate(gpu_rows):
+        if g in (0, experts):
+            assert swaps[layer] == 0
+    assert swaps.sum() >= 20, f"too few swaps to mean much: {swaps}"
+
+
+def test_ties_pick_the_lowest_row() -> None:
+    h.check_ties(DEVICE)
+
+
+def test_margin_is_strict() -> None:
+    h.check_margin(DEVICE)
+
+
+def test_no_swap_without_rows_on_both_sides() -> None:
+    h.check_one_sided_layers(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_count_picks(dtype: torch.dtype) -> None:
+    h.check_count_picks(DEVICE, dtype)
+
+
+def test_count_picks_on_fractional_counts_is_exact() -> None:
+    h.check_count_rounding(DEVICE)
+
+
+def test_swap_rows_moves_exactly_the_decided_rows() -> None:
+    h.check_exact_pairs(DEVICE)
+
+
+def test_swap_rows_through_step_keeps_integrity() -> None:
+    assert h.check_step_integrity(DEVICE, min_swaps=3000) >= 3000
+
+
+def test_integrity_over_10000_swaps() -> None:
+    assert h.check_many_swaps(DEVICE, min_swaps=20_000) >= 20_000
+
+
+def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """Warm up (compiles the kernels) on a side stream, then capture ``fn``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def test_count_picks_in_cuda_graph() -> None:
+    rng = np.random.default_rng(11)
+    layers, experts, tokens, top_k = 4, 64, 8, 8
+    gpu_rows = [0, 20, 40, 64]
+    state = sk.SwapCounters.create(gpu_rows, experts, DEVICE)
+    ids = [
+        torch.from_numpy(rng.integers(0, experts, (tokens, top_k))).to(DEVICE)
+        for _ in range(layers)
+    ]
+    ids = [i.to(torch.int32) for i in ids]
+    valid = torch.from_numpy(rng.random(tokens) < 0.7).to(DEVICE)
+
+    def count() -> None:
+        for layer in range(layers):
+            sk.count_picks(state, layer, ids[layer], valid if layer % 2 else None)
+
+    graph = _capture(count)
+    state.counts.zero_()
+    state.host_reads.zero_()
+    replays = 50
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    keep = valid.cpu().numpy()
+    for layer in range(layers):
+        picks = ids[layer].cpu().numpy()
+        if layer % 2:
+            picks = picks[keep]
+        want = np.bincount(picks.ravel(), minlength=experts) * replays
+        assert np.array_equal(state.counts[layer].cpu().numpy(), want), layer
+        reads = int((picks >= gpu_rows[layer]).sum()) * replays
+        assert state.host_reads[layer].item() == reads, layer
+
+
+def test_count_decide_and_swap_in_cuda_graphs() -> None:
+    """Counting (from a static id buffer) and step, each in a CUDA graph, replayed
+    round by round against the reference; integrity checked on the way."""
+    rng = np.random.default_rng(12)
+    gen = torch.Generator().manual_seed(12)
+    experts, top_k, policy = 24, 4, SwapPolicy(8, 32.0, 0.5)
+    layers = [h.make_layer(gen, experts, 8, DEVICE, variety=True) for _ in range(3)]
+    layers.append(h.make_odd_layer(gen, experts, DEVICE))
+    gpu_rows = [12, 1, 23, 6]
+    r2e = h.random_permutations(rng, len(layers), experts)
+    state = sk.SwapCounters.create(gpu_rows, experts, DEVICE, r2e)
+    tables = sk.SwapTables.build([lt.tensors for lt in layers], max_chunks=2)
+    integrity = h.Integrity(layers, r2e)
+    ref = h.RowReference(gpu_rows, experts, r2e)
+    source = h.PickSource(rng, len(layers), experts, top_k)
+    tokens = 2 * policy.interval  # 2 tokens per decode step
+    ids = torch.zeros(len(layers), tokens, top_k, dtype=torch.int32, device=DEVICE)
+
+    def count() -> None:
+        for layer in range(len(layers)):
+            sk.count_picks(state, layer, ids[layer])
+
+    def swap() -> None:
+        sk.step(state, tables, policy.decay, policy.margin)
+
+    # Warm-up runs on zero counts: no decision, nothing moves.
+    count_graph = _capture(count)
+    state.counts.zero_()
+    state.host_reads.zero_()
+    step_graph = _capture(swap)
+    assert state.swaps.sum().item() == 0
+    total = 0
+    for rnd in range(400):
+        if rnd % 16 == 0:
+            source.drift()
+        rows = h.rows_of(source.experts(tokens), ref.expert_to_row())
+        for s in range(policy.interval):
+            ref.observe(rows[:, 2 * s : 2 * s + 2])
+        ids.copy_(h.as_ids(rows, DEVICE))
+        count_graph.replay()
+        step_graph.replay()
+        want = ref.decide(policy)
+        got = state.decision.cpu().numpy()
+        assert np.array_equal(got, want), f"round {rnd}: {got} != {want}"
+        h.check_state(state, ref, f"round {rnd}")
+        total += int((want[:, 0] >= 0).sum())
+        if rnd % 100 == 99:
+            integrity.check(state.row_to_expert.cpu().numpy(), f"round {rnd}")
+    assert total >= 50, f"too few swaps: {total}"
+
+
+def _load_vmm() -> ModuleType:
+    from vllm.model_executor.layers.fused_moe.expert_offload import vmm
+
+    return vmm
+
+
+def test_swap_across_the_vram_host_boundary_of_a_vmm_table() -> None:
+    """Rows in host-NUMA memory of a VMM table move with SM loads and stores."""
+    try:
+        vmm = _load_vmm()
+    except Exception as e:  # cuda-python or vllm missing
+        pytest.skip(f"VMM wrapper not importable: {e}")
+    experts, row_bytes = 32, 256 << 10
+    try:
+        table = vmm.SplitTable(experts, row_bytes, gpu_bytes=4 << 20, device=0)
+    except vmm.VmmError as e:
+        pytest.skip(f"no host-NUMA VMM here: {e}")
+    with table:
+        assert 0 < table.gpu_rows < experts, table
+        weights = table.row_view(torch.int32, (row_bytes // 4,))
+        gen = torch.Generator().manual_seed(13)
+        data = torch.randint(-(2**31), 2**31 - 1, weights.shape, generator=gen)
+        weights.copy_(data.to(torch.int32))
+        gate = torch.randn(experts, 16, generator=gen).to(DEVICE)
+        layer = h.LayerTensors([weights, gate], [weights, gate], gate)
+        total = h.run_swaps(DEVICE, [layer], [table.gpu_rows], min_swaps=200)
+        assert total >= 200
+        del weights, layer
+        torch.cuda.synchronize()
+
+
+def _time_ms(fn: Callable[[], None], iters: int) -> float:
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def test_timings() -> None:
+    """Informational: decide alone at L=48, E=512; count_picks; idle swap_rows."""
+    layers, experts = 48, 512
+    gpu_rows = [384] * layers
+    state = sk.SwapCounters.create(gpu_rows, experts, DEVICE)
+    state.counts.copy_(torch.rand(layers, experts, device=DEVICE) * 10)
+    decay = SwapPolicy().decay
+
+    def decide() -> None:
+        sk.decide(state, decay, 1e9)  # the margin keeps every round a no-swap
+
+    eager = _time_ms(decide, 1000)
+    per_graph = 100
+    graph = _capture(lambda: [decide() for _ in range(per_graph)])
+    in_graph = _time_ms(graph.replay, 20) / per_graph
+    print(
+        f"\ndecide L={layers} E={experts}: {eager * 1e3:.1f} us/call eager "
+        f"(launch included), {in_graph * 1e3:.1f} us/call in a CUDA graph"
+    )
+
+    ids = torch.randint(0, experts, (layers, 1, 8), dtype=torch.int32, device=DEVICE)
+    graph = _capture(lambda: [sk.count_picks(state, i, ids[i]) for i in range(layers)])
+    count = _time_ms(graph.replay, 100)
+    print(f"count_picks x{layers} layers (1 token, k=8) in a graph: {count * 1e3:.1f} us")
+
+    # Idle swap (no decision) over 48 layers of 256 KiB rows: 64 chunks, as for
+    # real expert rows (~1 MiB); fewer layers where memory is short.
+    shapes = [((experts, 65536), torch.int32), ((experts, 128), torch.bfloat16)]
+    shapes += [((experts, 2048), torch.bfloat16), ((experts,), torch.float32)]
+    free, _ = torch.cuda.mem_get_info()
+    layer_bytes = sum(math.prod(s) * d.itemsize for s, d in shapes)
+    layers = max(1, min(layers, int(free * 0.5) // layer_bytes))
+    state = sk.SwapCounters.create([384] * layers, experts, DEVICE)
+    per_layer = [[torch.empty(s, dtype=d, device=DEVICE) for s, d in shapes] for _ in range(layers)]
+    tables = sk.SwapTables.build(per_layer)
+    state.decision.fill_(-1)
+    idle = _time_ms(lambda: sk.swap_rows(state, tables), 200)
+    graph = _capture(lambda: [sk.swap_rows(state, tables) for _ in range(20)])
+    idle_graph = _time_ms(graph.replay, 20) / 20
+    print(
+        f"swap_rows idle, grid {tables.num_layers}x{tables.num_slots}x"
+        f"{tables.num_chunks}: {idle * 1e3:.1f} us eager, {idle_graph * 1e3:.1f} us "
+        "in a graph"
+    )
+    # All layers swapping 256 KiB + small rows in VRAM (the host case is PCIe bound).
+    state.decision[:, 0] = 0
+    state.decision[:, 1] = 400
+    busy = _time_ms(lambda: sk.swap_rows(state, tables), 50)
+    moved = 2 * 2 * sum(t[0].numel() * t.element_size() for t in per_layer[0])
+    print(
+        f"swap_rows all {layers} layers swapping (VRAM rows): "
+        f"{busy * 1e3:.1f} us, {moved * layers / busy / 1e6:.1f} GB/s"
+    )

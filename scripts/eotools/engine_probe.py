@@ -38,7 +38,7 @@ def _expert_placement(model) -> dict[str, Any]:
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     gpu = host = 0
-    layers = 0
+    layers = one_table_layers = 0
     methods, kernels = set(), set()
     for m in model.modules():
         if not isinstance(m, RoutedExperts):
@@ -48,6 +48,12 @@ def _expert_placement(model) -> dict[str, Any]:
         kernel = getattr(m.quant_method, "moe_kernel", None)
         if kernel is not None:
             kernels.add(type(getattr(kernel, "fused_experts", kernel)).__name__)
+        if "one_table" in m.__dict__:  # offload-03: the VMM ranges say where the rows are
+            one_table_layers += 1
+            for owner in m.__dict__["one_table"].owners:
+                gpu += getattr(owner, "gpu_bytes", 0)
+                host += getattr(owner, "host_bytes", 0)
+            continue
         tables = [m]
         if "host_experts" in m.__dict__:
             tables.append(m.__dict__["host_experts"])
@@ -61,6 +67,7 @@ def _expert_placement(model) -> dict[str, Any]:
                 gpu += size
     return {
         "moe_layers": layers,
+        "one_table_layers": one_table_layers,
         "expert_gpu_bytes": gpu,
         "expert_host_bytes": host,
         "moe_methods": sorted(methods),
@@ -202,7 +209,24 @@ def run(config: dict) -> dict:
         result["tasks"][task["name"]] = TASKS[task["kind"]](llm, task)
         result["tasks"][task["name"]]["wall_s"] = time.perf_counter() - t
     result["memory"]["host_peak_rss_bytes"] = _vm_hwm_bytes()
+    result["swap"] = llm.apply_model(_swap_counters)[0]
     return result
+
+
+def _swap_counters(model) -> dict[str, Any] | None:
+    """The runtime swap's counters since start (offload-03), None where it is not running."""
+    try:
+        from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
+    except ImportError:  # unpatched vLLM
+        return None
+    runtime = swap_runtime.get_runtime()
+    if runtime is None or runtime.state is None:
+        return None
+    return {
+        **runtime.counters(),
+        "decisions": runtime.decisions,
+        "decode_steps": runtime.decode_steps,
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -133,6 +133,27 @@ def test_int4_split_experts_match_unpatched(int4_model, int4_cold_file, int4_unp
     _check(f"int4-offload02-{chunk}", run, int4_unpatched[chunk], int4_unpatched["noise"])
 
 
+@pytest.mark.parametrize("swap", ["off", "every-step"])
+def test_int4_one_table_matches_unpatched(int4_model, int4_cold_file, int4_unpatched, swap):
+    """offload-03: one table per layer (one kernel call), with runtime swap off, and with a
+    decision every decode step and no margin (a swap in nearly every layer at every step:
+    thousands of row exchanges during the run)."""
+    env = {"VLLM_EXPERT_COLD_FILE": str(int4_cold_file), "VLLM_EXPERT_ONE_TABLE": "1"}
+    if swap == "off":
+        env["VLLM_EXPERT_SWAP"] = "0"
+    else:
+        env.update(VLLM_EXPERT_SWAP_INTERVAL="1", VLLM_EXPERT_SWAP_MARGIN="0")
+    run = _run(f"int4-onetable-swap-{swap}-2048", int4_model, True, 2048, env)
+    assert run["memory"]["one_table_layers"] == run["memory"]["moe_layers"]
+    assert run["memory"]["expert_host_bytes"] > 0
+    gh.log(f"int4 one table, swap {swap}: {json.dumps(run['swap'])}")
+    if swap == "off":
+        assert run["swap"] is None
+    else:
+        assert sum(run["swap"]["swaps"]) >= 1000
+    _check(f"int4-onetable-swap-{swap}-2048", run, int4_unpatched["2048"], int4_unpatched["noise"])
+
+
 def test_int4_host_layer_matches_unpatched(int4_model, int4_unpatched):
     run = _run("int4-offload01-2048", int4_model, True, 2048, {"VLLM_EXPERT_HOST_LAYERS": "0"})
     assert run["memory"]["expert_host_bytes"] > 0

@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The runtime swap wired into serving (expert_offload/swap_runtime.py) on the CPU: one-table
+layers register, the first forward makes the counters from the merged tables, the model
+runner's step marks decode tokens for counting, and every `interval` decode steps one
+decision (decide + swap kernels) is enqueued over every layer's tensors and gate. The kernels
+themselves are checked in tests/cpu/test_swap_kernels.py; here they are recorded.
+
+    scripts/test tests/cpu/test_swap_runtime.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_offload_layers import E, K
+from test_one_table import COLD, loaded  # noqa: F401 (a fixture)
+
+
+@pytest.fixture
+def runtime(loaded, monkeypatch):  # noqa: F811
+    from vllm.model_executor.layers.fused_moe.expert_offload import (
+        one_table,
+        swap,
+        swap_runtime,
+    )
+
+    runner, _ = loaded
+    table = one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
+    runner.routed_experts.__dict__["one_table"] = table
+    calls = {"count": [], "step": []}
+    monkeypatch.setattr(
+        swap, "count_picks", lambda state, i, ids, valid=None: calls["count"].append((i, valid))
+    )
+    monkeypatch.setattr(
+        swap, "step", lambda state, tables, decay, margin: calls["step"].append(tables)
+    )
+    rt = swap_runtime.SwapRuntime(swap_runtime.SwapSettings(8, 512.0, 2.0), max_tokens=16)
+    assert rt.register(runner.routed_experts, runner)
+    return rt, runner, table, calls
+
+
+def test_the_first_forward_makes_counters_from_the_merged_table(runtime):
+    rt, runner, table, calls = runtime
+    rt.prepare_step(np.array([0, 1]), np.array([False]))  # before any forward: nothing
+    assert rt.state is None and rt.decode_steps == 0
+    ids = torch.randint(0, E, (4, K), dtype=torch.int32)
+    rt.count(runner.routed_experts, ids)
+    assert rt.state.gpu_rows.tolist() == [E - len(COLD)]
+    assert rt.state.row_to_expert[0].tolist() == table.row_to_expert
+    [(layer, valid)] = calls["count"]
+    assert layer == 0 and valid.shape == (4,) and not valid.any()  # nothing marked yet
+    rt.count(runner.routed_experts, torch.zeros((17, K), dtype=torch.int32))  # > max_tokens
+    assert len(calls["count"]) == 1
+
+
+def test_the_step_marks_decode_tokens_and_clears_stale_ones(runtime):
+    rt, runner, _, _ = runtime
+    rt.count(runner.routed_experts, torch.zeros((1, K), dtype=torch.int32))
+    # three requests: a 5-token prefill chunk, then two decode tokens
+    rt.prepare_step(np.array([0, 5, 6, 7]), np.array([True, False, False]))
+    assert rt.mask[:8].tolist() == [0, 0, 0, 0, 0, 1, 1, 0]
+    rt.prepare_step(np.array([0, 1]), np.array([False]))
+    assert rt.mask[:8].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
+    rt.prepare_step(None, None)  # a dummy run counts nothing
+    assert not rt.mask.any()
+    assert rt.decode_steps == 2
+
+
+def test_a_decision_every_interval_decode_steps_over_every_tensor(runtime):
+    rt, runner, _, calls = runtime
+    module = runner.routed_experts
+    rt.count(module, torch.zeros((1, K), dtype=torch.int32))
+    for _ in range(5):  # prefill-only steps do not advance the schedule
+        rt.prepare_step(np.array([0, 4]), np.array([True]))
+    for _ in range(16):
+        rt.prepare_step(np.array([0, 1]), np.array([False]))
+    assert len(calls["step"]) == 2 and rt.decisions == 2 and rt.decode_steps == 16
+    tables = calls["step"][0]
+    expected = [module.w13_weight.data, module.w2_weight.data, runner.gate.weight.data]
+    ptrs = tables.base[0].tolist()
+    assert sorted(ptrs) == sorted(t.data_ptr() for t in expected)
+    assert calls["step"][1] is tables  # built once
+
+
+def test_a_layer_with_a_fused_gate_copy_is_not_swapped(loaded):  # noqa: F811
+    from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
+
+    runner, _ = loaded
+    runner.shared_expert_gate = torch.nn.Linear(4, 1)
+    rt = swap_runtime.SwapRuntime(swap_runtime.SwapSettings(8, 512.0, 2.0), 16)
+    assert not rt.register(runner.routed_experts, runner)
+
+
+@pytest.mark.parametrize(
+    "env", [{"VLLM_EXPERT_SWAP_INTERVAL": "0"}, {"VLLM_EXPERT_SWAP_HALF_LIFE": "-1"}]
+)
+def test_bad_swap_settings_are_refused(monkeypatch, env):
+    from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import (
+        ExpertOffloadError,
+    )
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ExpertOffloadError, match="VLLM_EXPERT_SWAP_INTERVAL >= 1"):
+        swap_runtime.SwapSettings.from_env()
+    assert swap_runtime.SwapSettings(8, 512.0, 2.0).decay == pytest.approx(0.5 ** (8 / 512))

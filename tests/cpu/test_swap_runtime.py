@@ -106,3 +106,34 @@ def test_bad_swap_settings_are_refused(monkeypatch, env):
     with pytest.raises(ExpertOffloadError, match="VLLM_EXPERT_SWAP_INTERVAL >= 1"):
         swap_runtime.SwapSettings.from_env()
     assert swap_runtime.SwapSettings(8, 512.0, 2.0).decay == pytest.approx(0.5 ** (8 / 512))
+
+
+def test_the_self_check_follows_rows_and_catches_a_row_that_did_not_move(runtime, caplog):
+    rt, runner, table, _ = runtime
+    module = runner.routed_experts
+    rt.count(module, torch.zeros((1, K), dtype=torch.int32))
+    assert rt.self_check()  # the reference fingerprints, before any swap
+    g = table.gpu_rows
+    tensors = [module.w13_weight.data, module.w2_weight.data, runner.gate.weight.data]
+
+    def exchange(a, b, data=True, ids=True):  # what the swap kernel does to one layer
+        if data:
+            for t in tensors:
+                t[[a, b]] = t[[b, a]].clone()
+        if ids:
+            r2e = rt.state.row_to_expert[0]
+            r2e[[a, b]] = r2e[[b, a]].clone()
+
+    for a, b in [(0, g), (3, g + 1), (0, g + 2), (g, g + 3)]:
+        exchange(a, b)
+    with caplog.at_level("INFO"):
+        assert rt.self_check()
+    assert "self-check passed" in caplog.text
+
+    exchange(1, g + 1, ids=False)  # rows moved, bookkeeping did not
+    with caplog.at_level("ERROR"):
+        assert not rt.self_check()
+    assert "self-check FAILED" in caplog.text and f"[1, {g + 1}]" in caplog.text
+    exchange(1, g + 1, ids=False)
+    runner.gate.weight.data[5, 0] += 1  # a gate row that did not move with its weights
+    assert not rt.self_check()

@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Side-by-side benchmark of the offload paths on one GPU, in one run (SPEC section 7).
 
-Configurations: unpatched; vLLM's --cpu-offload-gb with the same host bytes; offload-01 (whole
-layers on host) and offload-02 (cold file). Workloads: fresh held-out prompts of every domain
-(decode speed, TPOT percentiles), and TTFT at 2k and 8k prompt tokens. Every repeat is kept.
-Host reads per token are counted from the model's planted routing of the very tokens decoded
-(exact for make-test-model checkpoints, whose routers are planted).
+Configurations (--configs): unpatched; cpu-offload-gb (vLLM's --cpu-offload-gb with the same
+host bytes as the first offload configuration); offload-01 (whole layers on host); offload-02
+(cold file, two tables); offload-03 (cold file, one table, no swap) and offload-03-swap (one
+table with runtime swap). Workloads: fresh (one held-out prompt of every domain) and repeat
+(three domains' prompts four times each in a row, the swap's case), for decode speed and
+TPOT percentiles; TTFT at 2k and 8k prompt tokens. Every repeat is kept. Host reads per token
+come from the model's planted routing of the very tokens decoded (exact for make-test-model
+checkpoints, whose routers are planted), and with runtime swap from its own counters.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         list(next(data.conversations(plan, d, "heldout", 1, 256, seed=21)).token_ids)
         for d in plan.planting.domains
     ]
+    # the swap's case: each domain's prompt several times in a row, as a conversation that
+    # stays in one domain would run
+    repeat_prompts = [p for p in prompts[:3] for _ in range(4)]
     long_words = [
         t
         for c in data.conversations(plan, "science", "heldout", 40, 256, seed=5)
@@ -115,6 +121,21 @@ def main(argv: list[str] | None = None) -> int:
             "max_tokens": args.decode_tokens,
             "prompt_logprobs": False,
         },
+        {
+            "kind": "decode_timing",
+            "name": "repeat",
+            "prompts": repeat_prompts,
+            "max_tokens": args.decode_tokens,
+            "warmup": 1,
+            "repeats": args.repeats,
+        },
+        {
+            "kind": "greedy",
+            "name": "repeat_tokens",
+            "prompts": repeat_prompts,
+            "max_tokens": args.decode_tokens,
+            "prompt_logprobs": False,
+        },
         {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
@@ -124,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
             env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
+            placed = cold
+        elif name in ("offload-03", "offload-03-swap"):
+            env = {"VLLM_EXPERT_COLD_FILE": str(cold_path), "VLLM_EXPERT_ONE_TABLE": "1"}
+            env["VLLM_EXPERT_SWAP"] = "1" if name == "offload-03-swap" else "0"
             placed = cold
         elif name == "offload-01":
             env = {"VLLM_EXPERT_HOST_LAYERS": args.host_layers}
@@ -166,44 +191,20 @@ def main(argv: list[str] | None = None) -> int:
                 for x in range(plan.geometry.num_layers)
                 if x < round(res["memory"]["expert_host_bytes"] / (host_bytes or 1))
             }
-        outs = [o["token_ids"] for o in res["tasks"]["fresh_tokens"]["outputs"]]
-        res["host_reads_per_token"] = host_reads_per_token(plan, prompts, outs, placed)
+        res["host_reads_per_token"] = {}
+        for workload, ps in (("fresh", prompts), ("repeat", repeat_prompts)):
+            if f"{workload}_tokens" not in res["tasks"]:  # a run made before this workload
+                continue
+            outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
+            res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed)
         results[name] = res
 
     base = results.get("unpatched")
     runs = []
     for name, res in results.items():
-        dec = res["tasks"]["fresh"]
-        mem = res["memory"]
-        total = mem["expert_gpu_bytes"] + mem["expert_host_bytes"]
-        runs.append(
-            {
-                "config": name,
-                "workload": "fresh",
-                "host_fraction": mem["expert_host_bytes"] / total if total else 0.0,
-                "decode_tok_s": dec["decode_tok_s"],
-                "tpot_ms_p50": dec["tpot_ms_p50"],
-                "tpot_ms_p90": dec["tpot_ms_p90"],
-                "ttft_ms": dec["ttft_ms"],
-                "ttft_2k_ms": res["tasks"]["ttft_2k"]["ttft_ms"],
-                "ttft_8k_ms": res["tasks"]["ttft_8k"]["ttft_ms"],
-                "host_reads_per_token": res["host_reads_per_token"],
-                "host_reads_source": "planted routing of the decoded tokens",
-                "swaps_per_token": 0.0,
-                "startup_s": res["startup_s"],
-                "peak_vram_gib": mem["device_used_bytes"] / GiB,
-                "peak_host_gib": mem["host_peak_rss_bytes"] / GiB,
-                "expert_host_gib": mem["expert_host_bytes"] / GiB,
-                "expert_gpu_gib": mem["expert_gpu_bytes"] / GiB,
-                "itl_samples": dec["itl_samples"],
-                "decode_vs_unpatched": (
-                    np.median(dec["decode_tok_s"])
-                    / np.median(base["tasks"]["fresh"]["decode_tok_s"])
-                    if base
-                    else None
-                ),
-            }
-        )
+        for workload in ("fresh", "repeat"):
+            if workload in res["tasks"]:
+                runs.append(_run_row(name, workload, res, base))
     doc = {
         "suite": "offload-01-02",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -230,6 +231,46 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_row(name: str, workload: str, res: dict, base: dict | None) -> dict:
+    """One configuration x workload in the project's result format."""
+    dec = res["tasks"][workload]
+    mem = res["memory"]
+    total = mem["expert_gpu_bytes"] + mem["expert_host_bytes"]
+    delta = dec.get("swap_delta")
+    if delta is not None and dec.get("decoded_all"):  # runtime swap: its own counters
+        reads = delta["host_reads"] / dec["decoded_all"]
+        swaps = delta["swaps"] / dec["decoded_all"]
+        source = "the runtime swap's counters (decode tokens, warm-up included)"
+    else:
+        reads = res["host_reads_per_token"].get(workload, float("nan"))
+        swaps = 0.0
+        source = "planted routing of the decoded tokens"
+    ref = base["tasks"].get(workload) if base else None
+    return {
+        "config": name,
+        "workload": workload,
+        "host_fraction": mem["expert_host_bytes"] / total if total else 0.0,
+        "decode_tok_s": dec["decode_tok_s"],
+        "tpot_ms_p50": dec["tpot_ms_p50"],
+        "tpot_ms_p90": dec["tpot_ms_p90"],
+        "ttft_ms": dec["ttft_ms"],
+        "ttft_2k_ms": res["tasks"]["ttft_2k"]["ttft_ms"],
+        "ttft_8k_ms": res["tasks"]["ttft_8k"]["ttft_ms"],
+        "host_reads_per_token": reads,
+        "host_reads_source": source,
+        "swaps_per_token": swaps,
+        "startup_s": res["startup_s"],
+        "peak_vram_gib": mem["device_used_bytes"] / GiB,
+        "peak_host_gib": mem["host_peak_rss_bytes"] / GiB,
+        "expert_host_gib": mem["expert_host_bytes"] / GiB,
+        "expert_gpu_gib": mem["expert_gpu_bytes"] / GiB,
+        "itl_samples": dec["itl_samples"],
+        "decode_vs_unpatched": (
+            np.median(dec["decode_tok_s"]) / np.median(ref["decode_tok_s"]) if ref else None
+        ),
+    }
+
+
 def markdown(doc: dict) -> str:
     """A short table of one suite run: medians of the repeats, every repeat in the JSON."""
     lines = [
@@ -237,26 +278,29 @@ def markdown(doc: dict) -> str:
         "",
         f"Command: `{doc.get('engine_runs_command') or doc['command']}`",
         "",
-        "| config | host fraction | decode tok/s (median of repeats) | TPOT p50 / p90 ms | "
-        "TTFT 2k / 8k ms | host reads/token | start-up s | vs unpatched |",
-        "|---|---|---|---|---|---|---|---|",
+        "| config | workload | host fraction | decode tok/s (median of repeats) | "
+        "TPOT p50 / p90 ms | TTFT 2k / 8k ms | host reads/token | swaps/token | start-up s "
+        "| vs unpatched |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["runs"]:
         ratio = r["decode_vs_unpatched"]
         lines.append(
-            f"| {r['config']} | {r['host_fraction']:.3f} | "
+            f"| {r['config']} | {r['workload']} | {r['host_fraction']:.3f} | "
             f"{np.median(r['decode_tok_s']):.1f} "
             f"({', '.join(f'{x:.1f}' for x in r['decode_tok_s'])}) | "
             f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | "
             f"{np.median(r['ttft_2k_ms']):.1f} / {np.median(r['ttft_8k_ms']):.1f} | "
-            f"{r['host_reads_per_token']:.2f} | {r['startup_s']:.0f} | "
+            f"{r['host_reads_per_token']:.2f} | {r['swaps_per_token']:.3f} | "
+            f"{r['startup_s']:.0f} | "
             f"{'-' if ratio is None else f'{ratio:.3f}x'} |"
         )
     lines += [
         "",
         "The first configuration of a run pays torch.compile and Triton JIT on a cold "
         "cache: compare start-up times between the later configurations only. Host "
-        "reads per token come from the planted routing of the decoded tokens.",
+        "reads per token come from the planted routing of the decoded tokens, or, with "
+        "runtime swap, from its counters.",
     ]
     if doc.get("not_run"):
         lines += ["", f"Not run in this suite run: {', '.join(doc['not_run'])}."]

@@ -118,6 +118,7 @@ def _decode_timing(llm, task: dict) -> dict:
         temperature=0.0, max_tokens=task["max_tokens"], ignore_eos=True, detokenize=False
     )
     runs = []
+    decoded_all = 0  # tokens after each request's first, warm-up included (swap counters)
     for rep in range(task.get("warmup", 1) + task.get("repeats", 3)):
         for pi, prompt in enumerate(task["prompts"]):
             rid = f"t{rep}-{pi}"
@@ -130,6 +131,7 @@ def _decode_timing(llm, task: dict) -> dict:
                     now = time.perf_counter()
                     stamps += [now] * (n - seen)
                     seen = n
+            decoded_all += max(0, len(stamps) - 1)
             if rep < task.get("warmup", 1):
                 continue
             n = len(stamps)
@@ -164,6 +166,7 @@ def _decode_timing(llm, task: dict) -> dict:
         "tpot_ms_p90": pct(0.9),
         "itl_samples": len(itl_all),
         "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
+        "decoded_all": decoded_all,
     }
 
 
@@ -206,8 +209,15 @@ def run(config: dict) -> dict:
     }
     for task in config.get("tasks", []):
         t = time.perf_counter()
+        before = llm.apply_model(_swap_counters)[0]
         result["tasks"][task["name"]] = TASKS[task["kind"]](llm, task)
         result["tasks"][task["name"]]["wall_s"] = time.perf_counter() - t
+        after = llm.apply_model(_swap_counters)[0]
+        if after is not None:  # the runtime swap's counters over this task (offload-03)
+            result["tasks"][task["name"]]["swap_delta"] = {
+                k: sum(after[k]) - (sum(before[k]) if before else 0)
+                for k in ("host_reads", "swaps")
+            }
     result["memory"]["host_peak_rss_bytes"] = _vm_hwm_bytes()
     result["swap"] = llm.apply_model(_swap_counters)[0]
     return result

@@ -497,3 +497,13 @@ def check_many_swaps(device: str, min_swaps: int, layers: int = 16) -> int:
     tensors = [make_layer(gen, experts, 8, device, variety=False) for _ in range(layers)]
     gpu_rows = [1 + (i * 5) % (experts - 1) for i in range(layers)]
     return run_swaps(device, tensors, gpu_rows, min_swaps=min_swaps, checks=3)
+
+
+def check_decide(device, experts, gpu_rows, policy, rounds, top_k=None) -> None:
+    """check_policy_match, then: no swaps in one-sided layers, and enough swaps to mean much."""
+    kw = {} if top_k is None else {"top_k": top_k}
+    swaps = check_policy_match(device, experts, gpu_rows, policy, rounds, **kw)
+    for layer, g in enumerate(gpu_rows):
+        if g in (0, experts):
+            assert swaps[layer] == 0
+    assert swaps.sum() >= 20, f"too few swaps to mean much: {swaps}"

@@ -60,11 +60,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_decide_matches_reference(
     experts: int, gpu_rows: list[int], policy: SwapPolicy, rounds: int
 ) -> None:
-    swaps = h.check_policy_match(DEVICE, experts, gpu_rows, policy, rounds, top_k=8)
-    for layer, g in enumerate(gpu_rows):
-        if g in (0, experts):
-            assert swaps[layer] == 0
-    assert swaps.sum() >= 20, f"too few swaps to mean much: {swaps}"
+    h.check_decide(DEVICE, experts, gpu_rows, policy, rounds, top_k=8)
 
 
 def test_ties_pick_the_lowest_row() -> None:

@@ -68,3 +68,26 @@ def test_patches_are_exactly_what_a_workspace_exports(repo_root, tmp_path):
         text=True,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_tool_in_scripts_answers_help(repo_root):
+    """Every executable in scripts/ prints its usage and exits 0 on --help (but the image's
+    entrypoint, whose arguments are `vllm serve`'s, as in the upstream image)."""
+    import os
+    import subprocess
+    import sys
+
+    tools = sorted(
+        p
+        for p in (repo_root / "scripts").iterdir()
+        if p.is_file() and os.access(p, os.X_OK) and p.name != "entrypoint.sh"
+    )
+    assert len(tools) >= 20
+    python = os.path.dirname(sys.executable)  # the tools' `env python3` is the test environment's
+    env = {**os.environ, "PATH": f"{python}{os.pathsep}{os.environ['PATH']}"}
+    for tool in tools:
+        r = subprocess.run(
+            [str(tool), "--help"], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert r.returncode == 0, f"{tool.name} --help: rc {r.returncode}\n{r.stderr[-2000:]}"
+        assert len(r.stdout.strip().splitlines()) >= 2, f"{tool.name} --help printed no usage"

@@ -74,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-layers", default="0", help="VLLM_EXPERT_HOST_LAYERS for offload-01")
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--host-read-us",
+        type=float,
+        default=None,
+        help="measured cost of one host-resident expert read in microseconds "
+        "(scripts/bench-host-read, K=1 median): adds each configuration's physical bound, "
+        "unpatched TPOT + host reads per token x this cost",
+    )
     ap.add_argument("--configs", default="offload-02,offload-01,unpatched,cpu-offload-gb")
     ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
     ap.add_argument(
@@ -204,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in results.items():
         for workload in ("fresh", "repeat"):
             if workload in res["tasks"]:
-                runs.append(_run_row(name, workload, res, base))
+                runs.append(_run_row(name, workload, res, base, args.host_read_us))
     doc = {
         "suite": "offload-01-02",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -217,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             "host_experts_per_layer": args.host_experts_per_layer,
         },
         "engine": gh.BASE_ENGINE,
+        "host_read_us": args.host_read_us,
         "runs": runs,
         "not_run": not_run,
     }
@@ -231,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_row(name: str, workload: str, res: dict, base: dict | None) -> dict:
-    """One configuration x workload in the project's result format."""
+def _run_row(
+    name: str, workload: str, res: dict, base: dict | None, host_read_us: float | None = None
+) -> dict:
+    """One configuration x workload in the project's result format, with its physical bound
+    when the cost of one host read is known: the unpatched TPOT plus the host reads it must
+    make per token, each at that cost (TPOT here is the median inter-token time)."""
     dec = res["tasks"][workload]
     mem = res["memory"]
     total = mem["expert_gpu_bytes"] + mem["expert_host_bytes"]
@@ -246,6 +259,9 @@ def _run_row(name: str, workload: str, res: dict, base: dict | None) -> dict:
         swaps = 0.0
         source = "planted routing of the decoded tokens"
     ref = base["tasks"].get(workload) if base else None
+    bound = None
+    if ref is not None and host_read_us is not None and reads == reads:  # not NaN
+        bound = ref["tpot_ms_p50"] + reads * host_read_us / 1e3
     return {
         "config": name,
         "workload": workload,
@@ -265,10 +281,18 @@ def _run_row(name: str, workload: str, res: dict, base: dict | None) -> dict:
         "expert_host_gib": mem["expert_host_bytes"] / GiB,
         "expert_gpu_gib": mem["expert_gpu_bytes"] / GiB,
         "itl_samples": dec["itl_samples"],
+        "physical_bound_tpot_ms": bound,
+        "tpot_vs_bound": dec["tpot_ms_p50"] / bound if bound else None,
         "decode_vs_unpatched": (
             np.median(dec["decode_tok_s"]) / np.median(ref["decode_tok_s"]) if ref else None
         ),
     }
+
+
+def _bound_cell(r: dict) -> str:
+    if r.get("tpot_vs_bound") is None:
+        return "-"
+    return f"{r['tpot_vs_bound']:.2f}x of {r['physical_bound_tpot_ms']:.3f} ms"
 
 
 def markdown(doc: dict) -> str:
@@ -280,8 +304,8 @@ def markdown(doc: dict) -> str:
         "",
         "| config | workload | host fraction | decode tok/s (median of repeats) | "
         "TPOT p50 / p90 ms | TTFT 2k / 8k ms | host reads/token | swaps/token | start-up s "
-        "| vs unpatched |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| vs unpatched | TPOT vs physical bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["runs"]:
         ratio = r["decode_vs_unpatched"]
@@ -293,7 +317,7 @@ def markdown(doc: dict) -> str:
             f"{np.median(r['ttft_2k_ms']):.1f} / {np.median(r['ttft_8k_ms']):.1f} | "
             f"{r['host_reads_per_token']:.2f} | {r['swaps_per_token']:.3f} | "
             f"{r['startup_s']:.0f} | "
-            f"{'-' if ratio is None else f'{ratio:.3f}x'} |"
+            f"{'-' if ratio is None else f'{ratio:.3f}x'} | {_bound_cell(r)} |"
         )
     lines += [
         "",

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench-offload's report, assembled from the committed H200 engine runs (--from-runs): every
+configuration and workload in the project's result format, ratios against the unpatched run
+of the same suite run, and each configuration's physical bound from the host-read cost.
+
+    scripts/test tests/cpu/test_bench_offload.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+RAW = "bench/results/raw/2026-12-01-offload-bench-h200"
+
+
+@pytest.fixture(scope="module")
+def report(repo_root, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    model = tmp / "target-int4-8l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
+    out = tmp / "suite.json"
+    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
+    cmd += ["--from-runs", str(repo_root / RAW), "--ran-as", "x", "--ran-at", "y"]
+    cmd += ["--host-read-us", "55.7", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
+    return json.loads(out.read_text()), out.with_suffix(".md").read_text()
+
+
+def test_every_configuration_in_the_result_format(report):
+    doc, md = report
+    keys = {"suite", "date", "gpu", "command", "model", "runs"}
+    assert keys <= doc.keys()
+    runs = {r["config"]: r for r in doc["runs"]}
+    assert set(runs) == {"unpatched", "cpu-offload-gb", "offload-01", "offload-02"}
+    for r in runs.values():
+        assert r["workload"] == "fresh" and len(r["decode_tok_s"]) == 3  # every repeat
+        for k in ("tpot_ms_p50", "tpot_ms_p90", "ttft_ms", "host_reads_per_token"):
+            assert r[k] == r[k]  # not NaN
+    assert runs["unpatched"]["decode_vs_unpatched"] == 1.0
+    assert runs["offload-02"]["decode_vs_unpatched"] == pytest.approx(432.3 / 650.8, abs=1e-3)
+    assert runs["offload-02"]["host_reads_per_token"] == pytest.approx(2.08, abs=0.01)
+    assert "| offload-02 | fresh |" in md
+
+
+def test_physical_bound_is_unpatched_tpot_plus_reads_times_the_read_cost(report):
+    doc, md = report
+    runs = {r["config"]: r for r in doc["runs"]}
+    base = runs["unpatched"]["tpot_ms_p50"]
+    assert runs["unpatched"]["physical_bound_tpot_ms"] == pytest.approx(base)
+    assert runs["unpatched"]["tpot_vs_bound"] == pytest.approx(1.0)
+    for name in ("offload-01", "offload-02", "cpu-offload-gb"):
+        r = runs[name]
+        bound = base + r["host_reads_per_token"] * 0.0557
+        assert r["physical_bound_tpot_ms"] == pytest.approx(bound)
+        assert r["tpot_vs_bound"] == pytest.approx(r["tpot_ms_p50"] / bound)
+    assert doc["host_read_us"] == 55.7 and "of physical bound" in md.replace(
+        "vs physical", "of physical"
+    )

@@ -12,11 +12,9 @@ import pathlib
 from dataclasses import dataclass
 from typing import Any
 
-from .selection import SelectionError, expert_bytes, stage_layers
-
-GiB = 1 << 30
-COLD_FORMAT = "vllm-expert-offload/cold-set"
-COLD_VERSION = 1
+from .coldset import FORMAT as COLD_FORMAT
+from .coldset import VERSION as COLD_VERSION
+from .selection import GiB, SelectionError, expert_bytes, stage_layers
 
 
 @dataclass(frozen=True)

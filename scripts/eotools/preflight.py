@@ -42,10 +42,9 @@ from .coldcheck import (
 )
 from .hostmem import cgroup_memory, mem_available
 from .pin import PIN, ROOT
-from .selection import SelectionError
+from .selection import GiB, SelectionError
 from .topologies import TOPOLOGIES, Topology, get_topology
 
-GiB = 1 << 30
 # What vLLM's own processes take besides the host experts (API server, one worker per GPU:
 # CUDA context, torch, pinned staging buffers): an estimate, used for a warning only.
 RESERVE_GIB_BASE = 2.0

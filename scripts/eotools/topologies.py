@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 1 << 30
+from .selection import GiB
+
 # A card sold as "32 GB" reports a little less (RTX 5090: 31.8 GiB, RTX 3090: 23.7 GiB).
 VRAM_TOLERANCE = 0.95
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import pathlib
 import subprocess
@@ -28,6 +29,14 @@ from .testmodel import data
 from .testmodel.plant import Plan, load_plan
 
 GiB = 1 << 30
+CONFIGS = (
+    "unpatched",
+    "cpu-offload-gb",
+    "offload-01",
+    "offload-02",
+    "offload-03",
+    "offload-03-swap",
+)
 
 
 def _gpu_name() -> str:
@@ -82,7 +91,14 @@ def main(argv: list[str] | None = None) -> int:
         "(scripts/bench-host-read, K=1 median): adds each configuration's physical bound, "
         "unpatched TPOT + host reads per token x this cost",
     )
-    ap.add_argument("--configs", default="offload-02,offload-01,unpatched,cpu-offload-gb")
+    ap.add_argument(
+        "--configs",
+        default="offload-02,offload-01,unpatched,cpu-offload-gb",
+        help="comma-separated CONFIG[+count][+churn][@TREE]: +count turns the usage-counting "
+        "hook on, +churn makes offload-03-swap decide every decode step with no margin, "
+        "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
+        "configuration that fails is reported as failed and the others still run",
+    )
     ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
     ap.add_argument(
         "--from-runs",
@@ -147,9 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
-    results, host_bytes, not_run = {}, None, []
+    results, host_bytes, not_run, failed = {}, None, [], {}
     ran_model = args.model.name
-    for name in args.configs.split(","):
+    for spec in args.configs.split(","):
+        name, variant, tree = parse_spec(spec)
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
             env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
@@ -170,27 +187,36 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_offload_gb=(host_bytes or 0) / GiB, cpu_offload_params=["experts"]
             )
             patched = False
-        else:
-            raise SystemExit(f"unknown config {name}")
+        if "count" in variant:
+            env["VLLM_EXPERT_COUNT_FILE"] = str(args.out.with_suffix(f".{name}.counts.json"))
+        if "churn" in variant:  # a decision every decode step, no margin: swaps all the time
+            env.update(VLLM_EXPERT_SWAP_INTERVAL="1", VLLM_EXPERT_SWAP_MARGIN="0")
         if args.from_runs:
             found = [
                 f
-                for f in sorted(args.from_runs.glob(f"bench-{name}-*.json"))
+                for f in sorted(args.from_runs.glob(f"bench-{spec_slug(spec)}-*.json"))
                 if not f.name.endswith(".config.json")
             ]
             if not found:
-                not_run.append(name)
+                not_run.append(spec)
                 continue
             res = json.loads(found[-1].read_text())
             cfg = found[-1].with_name(found[-1].name.replace(".json", ".config.json"))
             if cfg.exists():  # the model the engines really ran
                 ran_model = pathlib.Path(json.loads(cfg.read_text())["model"]).name
         else:
-            res = gh.run_engine(
-                f"bench-{name}",
-                {"model": str(args.model), "env": env, "engine": engine, "tasks": tasks},
-                patched,
-            )
+            try:
+                res = gh.run_engine(
+                    f"bench-{spec_slug(spec)}",
+                    {"model": str(args.model), "env": env, "engine": engine, "tasks": tasks},
+                    patched,
+                    tree=tree,
+                )
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                # one configuration failing must not lose the others of the run
+                gh.log(f"configuration {spec} FAILED: {e}")
+                failed[spec] = str(e)[-2000:]
+                continue
         if name in ("offload-02", "offload-01"):
             host_bytes = res["memory"]["expert_host_bytes"] if host_bytes is None else host_bytes
         if name == "cpu-offload-gb":
@@ -205,14 +231,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
             res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed)
-        results[name] = res
+        res["spec"] = {"config": name, "variant": variant, "tree": tree}
+        results[spec] = res
 
     base = results.get("unpatched")
     runs = []
-    for name, res in results.items():
+    for spec, res in results.items():
         for workload in ("fresh", "repeat"):
             if workload in res["tasks"]:
-                runs.append(_run_row(name, workload, res, base, args.host_read_us))
+                row = _run_row(res["spec"]["config"], workload, res, base, args.host_read_us)
+                if res["spec"]["variant"] or res["spec"]["tree"]:
+                    row["variant"] = spec
+                row.update(agreement(res, base, workload))
+                runs.append(row)
     doc = {
         "suite": "offload-01-02",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -228,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "host_read_us": args.host_read_us,
         "runs": runs,
         "not_run": not_run,
+        "failed": failed,
     }
     if args.from_runs:
         doc["engine_runs_command"] = args.ran_as
@@ -238,6 +270,55 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".md").write_text(markdown(doc))
     gh.log(f"wrote {args.out} and its .md table")
     return 0
+
+
+def parse_spec(spec: str) -> tuple[str, str, str | None]:
+    """A --configs entry: CONFIG[+count][+churn][@TREE]. `+count` turns the usage-counting
+    hook on; `+churn` makes the runtime swap decide every decode step with no margin;
+    `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
+    spec, _, tree = spec.partition("@")
+    name, *extras = spec.split("+")
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown config {name!r}: one of {', '.join(CONFIGS)}")
+    for x in extras:
+        if x not in ("count", "churn"):
+            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count or +churn")
+    if "churn" in extras and name != "offload-03-swap":
+        raise SystemExit(f"+churn needs offload-03-swap, not {name}")
+    if (extras or tree) and name in ("unpatched", "cpu-offload-gb"):
+        raise SystemExit(f"{name} runs unpatched vLLM: no variants")
+    return name, "+".join(extras), tree or None
+
+
+def spec_slug(spec: str) -> str:
+    """A file-name-safe form of a --configs entry (cache and raw-run file names)."""
+    name, variant, tree = parse_spec(spec)
+    slug = name + (f"+{variant}" if variant else "")
+    if tree:
+        slug += "@" + hashlib.sha256(tree.encode()).hexdigest()[:8]
+    return slug
+
+
+def agreement(res: dict, base: dict | None, workload: str) -> dict:
+    """Greedy tokens and their logprobs against the unpatched run of the same suite run: a
+    correctness check riding along with the speed numbers."""
+    task = f"{workload}_tokens"
+    if base is None or task not in res["tasks"] or task not in base["tasks"]:
+        return {}
+    same, total, worst = 0, 0, 0.0
+    for a, b in zip(res["tasks"][task]["outputs"], base["tasks"][task]["outputs"], strict=True):
+        same += a["token_ids"] == b["token_ids"]
+        total += 1
+        for p, q, t, u in zip(
+            a["logprobs"], b["logprobs"], a["token_ids"], b["token_ids"], strict=False
+        ):
+            if t != u:
+                break
+            worst = max(worst, abs(p - q))
+    return {
+        "sequences_identical_to_unpatched": f"{same}/{total}",
+        "decode_logprob_max_abs_diff": worst,
+    }
 
 
 def _run_row(
@@ -302,15 +383,17 @@ def markdown(doc: dict) -> str:
         "",
         f"Command: `{doc.get('engine_runs_command') or doc['command']}`",
         "",
-        "| config | workload | host fraction | decode tok/s (median of repeats) | "
+        "| config | workload | host fraction | same tokens as unpatched | "
+        "decode tok/s (median of repeats) | "
         "TPOT p50 / p90 ms | TTFT 2k / 8k ms | host reads/token | swaps/token | start-up s "
         "| vs unpatched | TPOT vs physical bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["runs"]:
         ratio = r["decode_vs_unpatched"]
         lines.append(
-            f"| {r['config']} | {r['workload']} | {r['host_fraction']:.3f} | "
+            f"| {r.get('variant', r['config'])} | {r['workload']} | {r['host_fraction']:.3f} | "
+            f"{r.get('sequences_identical_to_unpatched', '-')} | "
             f"{np.median(r['decode_tok_s']):.1f} "
             f"({', '.join(f'{x:.1f}' for x in r['decode_tok_s'])}) | "
             f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | "
@@ -326,6 +409,8 @@ def markdown(doc: dict) -> str:
         "reads per token come from the planted routing of the decoded tokens, or, with "
         "runtime swap, from its counters.",
     ]
+    for spec, err in doc.get("failed", {}).items():
+        lines += ["", f"FAILED: {spec}: `{err.strip().splitlines()[0] if err.strip() else ''}`"]
     if doc.get("not_run"):
         lines += ["", f"Not run in this suite run: {', '.join(doc['not_run'])}."]
     return "\n".join(lines) + "\n"

@@ -56,11 +56,25 @@ def make_model(name: str, *args: str) -> pathlib.Path:
     return out
 
 
-def engine_env(patched: bool) -> dict[str, str]:
+def patched_tree(override: str | None = None) -> str | None:
+    """The folder holding the patched ``vllm/`` copy: `override`, else EO_VLLM_PATCHED."""
+    return override or os.environ.get("EO_VLLM_PATCHED")
+
+
+def series_stamp(tree: str | None) -> str | None:
+    """The stamp scripts/test-gpu leaves in a patched copy (a digest of the series applied),
+    so that cached results of one series are never returned for another."""
+    if not tree:
+        return None
+    stamps = sorted(p.name for p in pathlib.Path(tree).glob(".series-*"))
+    return ",".join(stamps) or None
+
+
+def engine_env(patched: bool, tree: str | None = None) -> dict[str, str]:
     site = os.environ.get("EO_VLLM_SITE", "")
     paths = [str(SCRIPTS)]
     if patched:
-        p = os.environ.get("EO_VLLM_PATCHED")
+        p = patched_tree(tree)
         if not p:
             raise RuntimeError("EO_VLLM_PATCHED is not set: no patched vLLM to run")
         paths.append(p)
@@ -72,9 +86,15 @@ def engine_env(patched: bool) -> dict[str, str]:
     return env
 
 
-def run_engine(name: str, config: dict, patched: bool, timeout: float = 900) -> dict:
-    """Run (or fetch the cached result of) one engine configuration."""
+def run_engine(
+    name: str, config: dict, patched: bool, timeout: float = 900, tree: str | None = None
+) -> dict:
+    """Run (or fetch the cached result of) one engine configuration. `tree` overrides
+    EO_VLLM_PATCHED (an A/B against another series); the cache key holds the series stamp
+    of the tree used."""
     config = {"name": name, **config, "patched": patched}
+    if patched:
+        config["series"] = series_stamp(patched_tree(tree))
     key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
     out_dir = WORK / "runs"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -89,7 +109,7 @@ def run_engine(name: str, config: dict, patched: bool, timeout: float = 900) -> 
     with open(log_file, "w") as lf:
         r = subprocess.run(
             [sys.executable, "-m", "eotools.engine_probe", str(cfg_file), str(result_file)],
-            env=engine_env(patched),
+            env=engine_env(patched, tree),
             stdout=lf,
             stderr=subprocess.STDOUT,
             timeout=timeout,

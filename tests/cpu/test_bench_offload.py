@@ -61,3 +61,35 @@ def test_physical_bound_is_unpatched_tpot_plus_reads_times_the_read_cost(report)
     assert doc["host_read_us"] == 55.7 and "of physical bound" in md.replace(
         "vs physical", "of physical"
     )
+
+
+def test_config_specs():
+    from eotools.bench_offload import parse_spec, spec_slug
+
+    assert parse_spec("offload-02") == ("offload-02", "", None)
+    assert parse_spec("offload-02+count") == ("offload-02", "count", None)
+    assert parse_spec("offload-03-swap+churn") == ("offload-03-swap", "churn", None)
+    assert parse_spec("offload-02@/tmp/p3") == ("offload-02", "", "/tmp/p3")
+    assert spec_slug("offload-02") == "offload-02"
+    assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
+    for bad in ("offload-04", "offload-02+churn", "offload-02+fast", "unpatched+count"):
+        with pytest.raises(SystemExit):
+            parse_spec(bad)
+
+
+def test_agreement_with_unpatched():
+    from eotools.bench_offload import agreement
+
+    def run(*outs):
+        return {"tasks": {"fresh_tokens": {"outputs": list(outs)}}}
+
+    base = run({"token_ids": [1, 2, 3], "logprobs": [-0.1, -0.2, -0.3]})
+    same = run({"token_ids": [1, 2, 3], "logprobs": [-0.1, -0.25, -0.3]})
+    other = run({"token_ids": [1, 5, 3], "logprobs": [-0.1, -9.0, -0.3]})
+    a = agreement(same, base, "fresh")
+    assert a["sequences_identical_to_unpatched"] == "1/1"
+    assert a["decode_logprob_max_abs_diff"] == pytest.approx(0.05)
+    b = agreement(other, base, "fresh")  # compared only up to the first differing token
+    assert b["sequences_identical_to_unpatched"] == "0/1"
+    assert b["decode_logprob_max_abs_diff"] == 0.0
+    assert agreement(same, None, "fresh") == {}

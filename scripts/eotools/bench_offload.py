@@ -18,6 +18,7 @@ import datetime
 import hashlib
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         default="offload-02,offload-01,unpatched,cpu-offload-gb",
         help="comma-separated CONFIG[+count][+churn][@TREE]: +count turns the usage-counting "
-        "hook on, +churn makes offload-03-swap decide every decode step with no margin, "
+        "hook on, +churn makes offload-03-swap decide every decode step with no margin and "
+        "a half-life of one step (and self-check every 500 decisions), "
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )
@@ -189,14 +191,24 @@ def main(argv: list[str] | None = None) -> int:
             patched = False
         if "count" in variant:
             env["VLLM_EXPERT_COUNT_FILE"] = str(args.out.with_suffix(f".{name}.counts.json"))
-        if "churn" in variant:  # a decision every decode step, no margin: swaps all the time
-            env.update(VLLM_EXPERT_SWAP_INTERVAL="1", VLLM_EXPERT_SWAP_MARGIN="0")
+        if "churn" in variant:
+            # a decision every decode step on the last step's picks alone, no margin: swaps
+            # all the time; the live self-check verifies every row every 500 decisions
+            env.update(
+                VLLM_EXPERT_SWAP_INTERVAL="1",
+                VLLM_EXPERT_SWAP_HALF_LIFE="1",
+                VLLM_EXPERT_SWAP_MARGIN="0",
+                VLLM_EXPERT_SWAP_SELF_CHECK="500",
+            )
         if args.from_runs:
-            found = [
-                f
-                for f in sorted(args.from_runs.glob(f"bench-{spec_slug(spec)}-*.json"))
-                if not f.name.endswith(".config.json")
-            ]
+            # bench-<slug>-<16 hex>.json exactly: offload-03's must not match offload-03-swap's
+            pattern = re.compile(rf"bench-{re.escape(spec_slug(spec))}-[0-9a-f]{{16}}\.json")
+            found = [f for f in sorted(args.from_runs.iterdir()) if pattern.fullmatch(f.name)]
+            if len(found) > 1:
+                raise SystemExit(
+                    f"{args.from_runs} holds {len(found)} engine runs of {spec}: keep the "
+                    "one of this suite run only"
+                )
             if not found:
                 not_run.append(spec)
                 continue
@@ -245,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(agreement(res, base, workload))
                 runs.append(row)
     doc = {
-        "suite": "offload-01-02",
+        "suite": "bench-offload",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": _gpu_name(),
         "command": "scripts/bench-offload " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -268,7 +280,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(doc))
-    gh.log(f"wrote {args.out} and its .md table")
+    try:
+        from .bench.report import plot
+
+        plot(doc, args.out.with_suffix(".png"))
+    except ImportError:
+        gh.log("no plot: matplotlib is not installed")
+    gh.log(f"wrote {args.out} and its .md table (and .png plot)")
     return 0
 
 

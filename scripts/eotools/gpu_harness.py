@@ -99,11 +99,11 @@ def run_engine(
     out_dir = WORK / "runs"
     out_dir.mkdir(parents=True, exist_ok=True)
     result_file = out_dir / f"{name}-{key}.json"
+    log_file = out_dir / f"{name}-{key}.log"
     if result_file.exists():
-        return json.loads(result_file.read_text())
+        return {**json.loads(result_file.read_text()), "log_file": str(log_file)}
     cfg_file = out_dir / f"{name}-{key}.config.json"
     cfg_file.write_text(json.dumps(config))
-    log_file = out_dir / f"{name}-{key}.log"
     log(f"engine run {name} ({'patched' if patched else 'unpatched'}) -> {log_file}")
     t0 = time.time()
     with open(log_file, "w") as lf:

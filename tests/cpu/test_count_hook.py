@@ -91,6 +91,27 @@ def test_counts_picks_exactly_by_prefill_and_decode(vllm_cpu, hook, tmp_path):
     assert counters.tokens == {"prefill": 3, "decode": 3}
 
 
+def test_a_step_like_the_one_before_is_counted_without_a_copy(
+    vllm_cpu, hook, tmp_path, monkeypatch
+):
+    runner = build(1, str(tmp_path / "counts.json"))
+    counters = hook.get_counters()
+    copies = []
+    real_copy = counters._staging.copy
+    monkeypatch.setattr(counters._staging, "copy", lambda d, s: (copies.append(1), real_copy(d, s)))
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    for _ in range(4):  # two requests decoding, step after step
+        counters.prepare_step(np.array([0, 1, 2]), np.array([False, False]))
+        route(runner, ids)
+    assert len(copies) == 1
+    assert counters.tokens == {"prefill": 0, "decode": 8} and counters.steps == 4
+    assert counters.counts(1)[:, 1].tolist() == [4] * 8 + [0] * (E - 8)
+    counters.prepare_step(np.array([0, 2]), np.array([True]))  # a new layout is copied
+    route(runner, ids)
+    assert len(copies) == 2 and counters.tokens == {"prefill": 2, "decode": 8}
+    assert counters.counts(1)[:, 0].tolist() == [1] * 8 + [0] * (E - 8)
+
+
 def test_the_written_file_is_what_the_tools_read(vllm_cpu, hook, tmp_path):
     from eotools.counts import load_counts
 

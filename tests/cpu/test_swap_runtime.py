@@ -67,6 +67,28 @@ def test_the_step_marks_decode_tokens_and_clears_stale_ones(runtime):
     assert rt.decode_steps == 2
 
 
+def test_a_step_like_the_one_before_copies_nothing(runtime, monkeypatch):
+    """Steady decode (the same batch step after step) does no host work: the mask on the
+    device already holds the step's tokens. A new layout is copied again."""
+    rt, runner, _, _ = runtime
+    rt.count(runner.routed_experts, torch.zeros((1, K), dtype=torch.int32))
+    copies = []
+    real_copy = rt._staging.copy
+    monkeypatch.setattr(rt._staging, "copy", lambda d, s: (copies.append(1), real_copy(d, s)))
+    for _ in range(5):
+        rt.prepare_step(np.array([0, 1, 2]), np.array([False, False]))
+    assert len(copies) == 1 and rt.decode_steps == 5
+    assert rt.mask[:4].tolist() == [1, 1, 0, 0]
+    rt.prepare_step(np.array([0, 3, 4]), np.array([True, False]))  # a prefill joins
+    assert len(copies) == 2 and rt.mask[:5].tolist() == [0, 0, 0, 1, 0]
+    for _ in range(3):  # prefill-only: copied once, and no decode steps
+        rt.prepare_step(np.array([0, 2]), np.array([True]))
+    assert len(copies) == 3 and rt.decode_steps == 6 and not rt.mask.any()
+    rt.prepare_step(None, None)  # a dummy run in between: the next step is copied again
+    rt.prepare_step(np.array([0, 1, 2]), np.array([False, False]))
+    assert rt.mask[:4].tolist() == [1, 1, 0, 0] and rt.decode_steps == 7
+
+
 def test_a_decision_every_interval_decode_steps_over_every_tensor(runtime):
     rt, runner, _, calls = runtime
     module = runner.routed_experts

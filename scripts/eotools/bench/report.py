@@ -210,7 +210,10 @@ def plot(doc: dict, path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = doc["runs"]
-    labels = [f"{r['config']}\n{r['workload']} x{r.get('concurrency', 1)}" for r in runs]
+    name = [r.get("variant") or r["config"] for r in runs]  # bench-offload's variants
+    labels = [
+        f"{n}\n{r['workload']} x{r.get('concurrency', 1)}" for n, r in zip(name, runs, strict=True)
+    ]
     med = [_median(r["decode_tok_s"]) or 0.0 for r in runs]
     lo = [
         med[i] - min((x for x in r["decode_tok_s"] if x), default=0.0) for i, r in enumerate(runs)
@@ -221,8 +224,8 @@ def plot(doc: dict, path: pathlib.Path) -> None:
     ttft = [r["ttft_ms"] or 0.0 for r in runs]
     fig, (a, b) = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * len(runs) + 2), 7), sharex=True)
     x = range(len(runs))
-    names = list(dict.fromkeys(r["config"] for r in runs))
-    colors = [f"C{names.index(r['config']) % 10}" for r in runs]
+    names = list(dict.fromkeys(name))
+    colors = [f"C{names.index(n) % 10}" for n in name]
     a.bar(x, med, yerr=[lo, hi], capsize=3, color=colors)
     a.set_ylabel("decode tok/s per stream\n(median, min-max of repeats)")
     a.set_title(f"{doc['suite']} on {doc['gpu']}")

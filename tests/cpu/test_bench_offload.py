@@ -93,3 +93,36 @@ def test_agreement_with_unpatched():
     assert b["sequences_identical_to_unpatched"] == "0/1"
     assert b["decode_logprob_max_abs_diff"] == 0.0
     assert agreement(same, None, "fresh") == {}
+
+
+def test_the_offload03_suite_run_with_variants(repo_root, tmp_path):
+    """Run b of 2026-12-01 re-assembled from its engine runs: offload-03 and its swap, the
+    0004 A/B through another tree, the counting hook, each checked against unpatched."""
+    model = tmp_path / "target-int4-8l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
+    specs = (
+        "unpatched,offload-03-swap,offload-03,offload-02,offload-02@/tmp/vllm-p0003,"
+        "offload-03-swap+churn,offload-02+count"
+    )
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
+    cmd += ["--from-runs", str(repo_root / "bench/results/raw/2026-12-01-offload03-bench-b-h200")]
+    cmd += ["--configs", specs, "--host-read-us", "55.7", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
+    doc = json.loads(out.read_text())
+    rows = {(r.get("variant", r["config"]), r["workload"]): r for r in doc["runs"]}
+    assert len(rows) == 14 and not doc["not_run"] and not doc["failed"]
+    for r in doc["runs"]:
+        total = 6 if r["workload"] == "fresh" else 12
+        assert r["sequences_identical_to_unpatched"] == f"{total}/{total}"
+    assert rows[("offload-03", "fresh")]["decode_vs_unpatched"] == pytest.approx(
+        809.6 / 812.1, abs=1e-3
+    )
+    swap = rows[("offload-03-swap", "repeat")]
+    assert swap["host_reads_source"].startswith("the runtime swap's counters")
+    assert (
+        swap["host_reads_per_token"] < 0.4 * rows[("offload-03", "repeat")]["host_reads_per_token"]
+    )
+    assert rows[("offload-02@/tmp/vllm-p0003", "fresh")]["config"] == "offload-02"
+    assert rows[("offload-02+count", "fresh")]["variant"] == "offload-02+count"

@@ -407,3 +407,71 @@ def test_count_experts_server_errors(fake_server, tmp_path, capsys):
         )
         == 1
     )
+
+
+# ---- counting through one table (offload-03) ------------------------------------------------
+@pytest.fixture()
+def one_table_counted(vllm_cpu, hook, tmp_path, monkeypatch):
+    """A merged one-table layer (COLD on host) whose router is counted."""
+    from test_one_table import COLD
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    monkeypatch.setitem(one_table.KERNEL_SETUP, "UnquantizedFusedMoEMethod", lambda m: None)
+    cold = offload_layers.cold_file(tmp_path, {2: COLD})
+    runner = offload_layers.build(
+        2, VLLM_EXPERT_COLD_FILE=cold, VLLM_EXPERT_COUNT_FILE=str(tmp_path / "counts.json")
+    )
+    list(runner.load_weights(iter(offload_layers.checkpoint())))
+    runner.gate = torch.nn.Linear(HIDDEN, E, bias=False)
+    runner.gate.weight.data = torch.randn(E, HIDDEN).bfloat16()
+    table = one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
+    runner.routed_experts.__dict__["one_table"] = table
+    counters = hook.get_counters()
+    counters.prepare_step(np.array([0, 1, 2]), np.array([False, False]))  # two decode tokens
+    return runner, table, counters
+
+
+def test_one_table_counts_experts_not_rows(one_table_counted):
+    from vllm.model_executor.layers.fused_moe.expert_offload import processing, usage_counts
+
+    runner, table, counters = one_table_counted
+    cpu = torch.device("cpu")
+    usage_counts.count_by_expert(
+        runner, processing._row_to_expert(runner.routed_experts, table, cpu)
+    )
+    rows = torch.tensor([[0, 1, 12, 13], [12, 13, 14, 15]], dtype=torch.int32)
+    route(runner, rows)
+    want = np.zeros(E, np.int64)
+    for r in rows.flatten().tolist():
+        want[table.row_to_expert[r]] += 1
+    assert np.array_equal(counters.counts(2)[:, 1].numpy(), want)
+    assert table.row_to_expert[12:] == [0, 7, 8, 13]  # the host rows hold the cold experts
+    assert counters.counts(2)[[0, 7, 8, 13], 1].tolist() == [2, 2, 1, 1]
+
+
+def test_counts_follow_the_runtime_swap(one_table_counted, monkeypatch):
+    """After a swap moves an expert to another row, its picks still count for it."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import (
+        processing,
+        swap,
+        swap_runtime,
+        usage_counts,
+    )
+
+    runner, table, counters = one_table_counted
+    module = runner.routed_experts
+    monkeypatch.setattr(swap, "count_picks", lambda *a, **k: None)
+    rt = swap_runtime.SwapRuntime(swap_runtime.SwapSettings(8, 512.0, 2.0), max_tokens=16)
+    assert rt.register(module, runner)
+    module.__dict__["swap"] = rt
+    cpu = torch.device("cpu")
+    usage_counts.count_by_expert(runner, processing._row_to_expert(module, table, cpu))
+    route(runner, torch.tensor([[0, 12, 1, 2]], dtype=torch.int32))
+    first, host = table.row_to_expert[0], table.row_to_expert[12]
+    # the swap kernel exchanges rows 0 and 12 (weights, gate and this map, in place)
+    r2e = rt.state.row_to_expert[0]
+    r2e[0], r2e[12] = int(r2e[12]), int(r2e[0])
+    route(runner, torch.tensor([[0, 12, 1, 2]], dtype=torch.int32))
+    decode = counters.counts(2)[:, 1]
+    assert int(decode[first]) == 2 and int(decode[host]) == 2  # each counted twice, by id
+    assert int(decode.sum()) == 8

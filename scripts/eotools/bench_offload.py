@@ -25,19 +25,12 @@ import sys
 import numpy as np
 
 from . import gpu_harness as gh
+from .bench.report import CONFIGS  # the result format's configuration names
 from .coldset import synthetic_cold_file
 from .testmodel import data
 from .testmodel.plant import Plan, load_plan
 
 GiB = 1 << 30
-CONFIGS = (
-    "unpatched",
-    "cpu-offload-gb",
-    "offload-01",
-    "offload-02",
-    "offload-03",
-    "offload-03-swap",
-)
 
 
 def _gpu_name() -> str:

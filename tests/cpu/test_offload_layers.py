@@ -342,7 +342,8 @@ def test_the_leak_test_fails_on_the_code_before_the_fix(tmp_path, repo_root):
     assert "RESULT alive" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
 
 
-def test_startup_lines_say_where_the_experts_are(vllm_cpu, tmp_path):
+def loaded_split_model(tmp_path) -> torch.nn.ModuleDict:
+    """Two MoE layers after loading: layer 2 split (experts 1, 5, 9 on host), layer 3 not."""
     from vllm.model_executor.layers.fused_moe import expert_offload
 
     runner = build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: [1, 5, 9]}))
@@ -351,7 +352,13 @@ def test_startup_lines_say_where_the_experts_are(vllm_cpu, tmp_path):
     runner.routed_experts.quant_method.process_weights_after_loading = fake_repack
     runner.routed_experts.host_experts.quant_method.process_weights_after_loading = fake_repack
     expert_offload.process_weights_after_loading(runner.routed_experts, torch.device("cpu"))
-    model = torch.nn.ModuleDict({"a": runner, "b": other})
+    return torch.nn.ModuleDict({"a": runner, "b": other})
+
+
+def test_startup_lines_say_where_the_experts_are(vllm_cpu, tmp_path):
+    from vllm.model_executor.layers.fused_moe import expert_offload
+
+    model = loaded_split_model(tmp_path)
     records = []
     handler = logging.Handler()
     handler.emit = lambda rec: records.append(rec.getMessage())

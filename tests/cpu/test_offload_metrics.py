@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 from eotools.bench import prom
-from test_offload_layers import build, checkpoint, cold_file, fake_repack
+from test_offload_layers import loaded_split_model
 from test_one_table import loaded  # noqa: F401 (a fixture, used by runtime)
 from test_swap_runtime import runtime  # noqa: F401 (a fixture)
 
@@ -129,14 +129,9 @@ def test_loading_an_offloaded_model_starts_publishing(vllm_cpu, tmp_path, monkey
 
     monkeypatch.setenv("VLLM_EXPERT_METRICS_DIR", str(tmp_path))
     swap_runtime.reset_runtime()
-    runner = build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: [1, 5, 9]}))
-    other = build(3)
-    list(runner.load_weights(iter(checkpoint())))
-    runner.routed_experts.quant_method.process_weights_after_loading = fake_repack
-    runner.routed_experts.host_experts.quant_method.process_weights_after_loading = fake_repack
-    expert_offload.process_weights_after_loading(runner.routed_experts, torch.device("cpu"))
+    model = loaded_split_model(tmp_path)
     try:
-        expert_offload.log_summary(torch.nn.ModuleDict({"a": runner, "b": other}))
+        expert_offload.log_summary(model)
         [snap] = [json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")]
     finally:
         metrics.close()

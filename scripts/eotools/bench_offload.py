@@ -78,6 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, each round in its own engine "
+        "processes and in the reverse order of the one before; ratios are taken within a "
+        "round and reported as their median and range (default 1)",
+    )
+    ap.add_argument(
         "--host-read-us",
         type=float,
         default=None,
@@ -160,8 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     ]
     results, host_bytes, not_run, failed = {}, None, [], {}
     ran_model = args.model.name
-    for spec in args.configs.split(","):
+    specs = args.configs.split(",")
+    # rounds after the first run the configurations in reverse order, so that a drift of
+    # the machine over the run (clocks, other tenants) favours none of them
+    order = [
+        (rnd, spec)
+        for rnd in range(1, args.rounds + 1)
+        for spec in (specs if rnd % 2 else specs[::-1])
+    ]
+    for rnd, spec in order:
         name, variant, tree = parse_spec(spec)
+        label = f"bench-{spec_slug(spec)}" + (f"-r{rnd}" if rnd > 1 else "")
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
             env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
@@ -195,15 +212,15 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.from_runs:
             # bench-<slug>-<16 hex>.json exactly: offload-03's must not match offload-03-swap's
-            pattern = re.compile(rf"bench-{re.escape(spec_slug(spec))}-[0-9a-f]{{16}}\.json")
+            pattern = re.compile(rf"{re.escape(label)}-[0-9a-f]{{16}}\.json")
             found = [f for f in sorted(args.from_runs.iterdir()) if pattern.fullmatch(f.name)]
             if len(found) > 1:
                 raise SystemExit(
-                    f"{args.from_runs} holds {len(found)} engine runs of {spec}: keep the "
-                    "one of this suite run only"
+                    f"{args.from_runs} holds {len(found)} engine runs of {label}: keep "
+                    "the one of this suite run only"
                 )
             if not found:
-                not_run.append(spec)
+                not_run.append(label.removeprefix("bench-"))
                 continue
             res = json.loads(found[-1].read_text())
             cfg = found[-1].with_name(found[-1].name.replace(".json", ".config.json"))
@@ -212,15 +229,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 res = gh.run_engine(
-                    f"bench-{spec_slug(spec)}",
+                    label,
                     {"model": str(args.model), "env": env, "engine": engine, "tasks": tasks},
                     patched,
                     tree=tree,
                 )
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 # one configuration failing must not lose the others of the run
-                gh.log(f"configuration {spec} FAILED: {e}")
-                failed[spec] = str(e)[-2000:]
+                gh.log(f"configuration {spec} (round {rnd}) FAILED: {e}")
+                failed[label.removeprefix("bench-")] = str(e)[-2000:]
                 continue
         if name in ("offload-02", "offload-01"):
             host_bytes = res["memory"]["expert_host_bytes"] if host_bytes is None else host_bytes
@@ -237,18 +254,24 @@ def main(argv: list[str] | None = None) -> int:
             outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
             res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed)
         res["spec"] = {"config": name, "variant": variant, "tree": tree}
-        results[spec] = res
+        results[(spec, rnd)] = res
 
-    base = results.get("unpatched")
     runs = []
-    for spec, res in results.items():
+    for spec in specs:
         for workload in ("fresh", "repeat"):
-            if workload in res["tasks"]:
+            per_round = []
+            for rnd in range(1, args.rounds + 1):
+                res = results.get((spec, rnd))
+                if res is None or workload not in res["tasks"]:
+                    continue
+                base = results.get(("unpatched", rnd))  # ratios within a round
                 row = _run_row(res["spec"]["config"], workload, res, base, args.host_read_us)
                 if res["spec"]["variant"] or res["spec"]["tree"]:
                     row["variant"] = spec
                 row.update(agreement(res, base, workload))
-                runs.append(row)
+                per_round.append(row)
+            if per_round:
+                runs.append(merge_rounds(per_round) if args.rounds > 1 else per_round[0])
     doc = {
         "suite": "bench-offload",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -262,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "engine": gh.BASE_ENGINE,
         "host_read_us": args.host_read_us,
+        "rounds": args.rounds,
         "runs": runs,
         "not_run": not_run,
         "failed": failed,
@@ -281,6 +305,38 @@ def main(argv: list[str] | None = None) -> int:
         gh.log("no plot: matplotlib is not installed")
     gh.log(f"wrote {args.out} and its .md table (and .png plot)")
     return 0
+
+
+def merge_rounds(rows: list[dict]) -> dict:
+    """One configuration x workload over several rounds: every repeat kept, medians of the
+    per-round percentiles, and the ratio to unpatched as the median of the per-round
+    ratios (each against the unpatched run of its own round) with their range."""
+    out = dict(rows[0])
+    med = lambda k: float(np.median([r[k] for r in rows if r.get(k) is not None]))  # noqa: E731
+    out["decode_tok_s"] = [x for r in rows for x in r["decode_tok_s"]]
+    for k in ("tpot_ms_p50", "tpot_ms_p90", "ttft_ms", "startup_s", "peak_vram_gib"):
+        out[k] = med(k)
+    out["peak_host_gib"] = max(r["peak_host_gib"] for r in rows)
+    for k in ("host_reads_per_token", "swaps_per_token"):
+        out[k] = float(np.mean([r[k] for r in rows]))
+    out["ttft_2k_ms"] = [x for r in rows for x in r["ttft_2k_ms"]]
+    out["ttft_8k_ms"] = [x for r in rows for x in r["ttft_8k_ms"]]
+    out["itl_samples"] = sum(r["itl_samples"] for r in rows)
+    ratios = [r["decode_vs_unpatched"] for r in rows if r.get("decode_vs_unpatched")]
+    out["decode_vs_unpatched_rounds"] = ratios
+    out["decode_vs_unpatched"] = float(np.median(ratios)) if ratios else None
+    bounds = [r["tpot_vs_bound"] for r in rows if r.get("tpot_vs_bound")]
+    out["tpot_vs_bound"] = float(np.median(bounds)) if bounds else None
+    if out.get("physical_bound_tpot_ms") is not None:
+        out["physical_bound_tpot_ms"] = med("physical_bound_tpot_ms")
+    if "sequences_identical_to_unpatched" in out:
+        same = [tuple(map(int, r["sequences_identical_to_unpatched"].split("/"))) for r in rows]
+        out["sequences_identical_to_unpatched"] = (
+            f"{sum(a for a, _ in same)}/{sum(b for _, b in same)}"
+        )
+        out["decode_logprob_max_abs_diff"] = max(r["decode_logprob_max_abs_diff"] for r in rows)
+    out["rounds"] = len(rows)
+    return out
 
 
 def parse_spec(spec: str) -> tuple[str, str, str | None]:
@@ -381,6 +437,16 @@ def _run_row(
     }
 
 
+def _ratio_cell(r: dict) -> str:
+    ratio = r["decode_vs_unpatched"]
+    if ratio is None:
+        return "-"
+    rounds = r.get("decode_vs_unpatched_rounds")
+    if rounds and len(rounds) > 1:
+        return f"{ratio:.3f}x ({min(rounds):.3f}-{max(rounds):.3f} over {len(rounds)} rounds)"
+    return f"{ratio:.3f}x"
+
+
 def _bound_cell(r: dict) -> str:
     if r.get("tpot_vs_bound") is None:
         return "-"
@@ -401,7 +467,6 @@ def markdown(doc: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["runs"]:
-        ratio = r["decode_vs_unpatched"]
         lines.append(
             f"| {r.get('variant', r['config'])} | {r['workload']} | {r['host_fraction']:.3f} | "
             f"{r.get('sequences_identical_to_unpatched', '-')} | "
@@ -411,7 +476,7 @@ def markdown(doc: dict) -> str:
             f"{np.median(r['ttft_2k_ms']):.1f} / {np.median(r['ttft_8k_ms']):.1f} | "
             f"{r['host_reads_per_token']:.2f} | {r['swaps_per_token']:.3f} | "
             f"{r['startup_s']:.0f} | "
-            f"{'-' if ratio is None else f'{ratio:.3f}x'} | {_bound_cell(r)} |"
+            f"{_ratio_cell(r)} | {_bound_cell(r)} |"
         )
     lines += [
         "",

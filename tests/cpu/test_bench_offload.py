@@ -126,3 +126,38 @@ def test_the_offload03_suite_run_with_variants(repo_root, tmp_path):
     )
     assert rows[("offload-02@/tmp/vllm-p0003", "fresh")]["config"] == "offload-02"
     assert rows[("offload-02+count", "fresh")]["variant"] == "offload-02+count"
+
+
+def test_rounds_pair_each_configuration_with_the_unpatched_run_of_its_round(repo_root, tmp_path):
+    """--rounds: ratios are taken within a round (against that round's unpatched run), and the
+    report gives their median and range; every repeat of every round is kept."""
+    raw = repo_root / "bench/results/raw/2026-12-01-offload03-bench-b-h200"
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    scale = {"unpatched": 0.8, "offload-02": 0.9}  # round 2: a slower machine, unevenly
+    for name in scale:
+        [src] = [f for f in raw.glob(f"bench-{name}-*.json") if ".config." not in f.name]
+        (runs / src.name).write_text(src.read_text())
+        doc = json.loads(src.read_text())
+        for task in doc["tasks"].values():
+            if "decode_tok_s" in task:
+                task["decode_tok_s"] = [x * scale[name] for x in task["decode_tok_s"]]
+        (runs / src.name.replace(f"bench-{name}-", f"bench-{name}-r2-")).write_text(json.dumps(doc))
+    model = tmp_path / "target-int4-8l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
+    out = tmp_path / "rounds.json"
+    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
+    cmd += ["--from-runs", str(runs), "--configs", "unpatched,offload-02", "--rounds", "2"]
+    cmd += ["--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
+    doc = json.loads(out.read_text())
+    rows = {(r["config"], r["workload"]): r for r in doc["runs"]}
+    fresh = rows[("offload-02", "fresh")]
+    first = 801.0 / 812.1  # run b's medians
+    assert fresh["decode_vs_unpatched_rounds"] == pytest.approx([first, first * 0.9 / 0.8], 1e-3)
+    assert fresh["decode_vs_unpatched"] == pytest.approx(first * (1 + 0.9 / 0.8) / 2, 1e-3)
+    assert len(fresh["decode_tok_s"]) == 6 and fresh["rounds"] == 2
+    assert fresh["sequences_identical_to_unpatched"] == "12/12"
+    assert doc["rounds"] == 2 and not doc["not_run"]
+    assert "over 2 rounds" in out.with_suffix(".md").read_text()

@@ -2,13 +2,19 @@
 """Side-by-side benchmark of the offload paths on one GPU, in one run (SPEC section 7).
 
 Configurations (--configs): unpatched; cpu-offload-gb (vLLM's --cpu-offload-gb with the same
-host bytes as the first offload configuration); offload-01 (whole layers on host); offload-02
+host bytes as an offload configuration of the same size); offload-01 (whole layers on host); offload-02
 (cold file, two tables); offload-03 (cold file, one table, no swap) and offload-03-swap (one
 table with runtime swap). Workloads: fresh (one held-out prompt of every domain) and repeat
 (three domains' prompts four times each in a row, the swap's case), for decode speed and
 TPOT percentiles; TTFT at 2k and 8k prompt tokens. Every repeat is kept. Host reads per token
 come from the model's planted routing of the very tokens decoded (exact for make-test-model
 checkpoints, whose routers are planted), and with runtime swap from its own counters.
+
+The reference table (SPEC section 7) in one command, e.g. on a 16-layer model:
+
+    bench-offload --model M --configs unpatched,cpu-offload-gb,offload-01,offload-02,\
+        offload-03,offload-03-swap --host-experts-per-layer 51 --sweep 0.05,0.1,0.2,0.4 \
+        --host-layers 0,1 --host-read-us 55.7 --out FILE
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import numpy as np
 from . import gpu_harness as gh
 from .bench.report import CONFIGS  # the result format's configuration names
 from .coldset import synthetic_cold_file
+from .selection import expert_bytes
 from .testmodel import data
 from .testmodel.plant import Plan, load_plan
 
@@ -75,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         help="cold set size per layer for offload-02 (default 64 = 12.5%%)",
     )
     ap.add_argument("--host-layers", default="0", help="VLLM_EXPERT_HOST_LAYERS for offload-01")
+    ap.add_argument(
+        "--sweep",
+        type=lambda v: [float(x) for x in v.split(",") if x],
+        default=[],
+        metavar="FRACTIONS",
+        help="host fractions, e.g. 0.05,0.1,0.2,0.4: adds offload-03-swap:N and "
+        "cpu-offload-gb:N (N = fraction x experts per layer) for each, after --configs",
+    )
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
@@ -114,9 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     plan = load_plan(args.model)
-    cold_path = args.out.with_suffix(".cold.json")
-    cold_doc = synthetic_cold_file(args.model, cold_path, args.host_experts_per_layer)
-    cold = {int(k): set(v) for k, v in cold_doc["layers"].items()}
+    cold_files: dict[int, tuple[pathlib.Path, dict[int, set[int]]]] = {}
+
+    def cold_set(per_layer: int) -> tuple[pathlib.Path, dict[int, set[int]]]:
+        """The cold file of `per_layer` host experts per layer (made once per size)."""
+        if per_layer not in cold_files:
+            suffix = "" if per_layer == args.host_experts_per_layer else f"-{per_layer}"
+            path = args.out.with_suffix(f".cold{suffix}.json")
+            doc = synthetic_cold_file(args.model, path, per_layer)
+            cold_files[per_layer] = (path, {int(k): set(v) for k, v in doc["layers"].items()})
+        return cold_files[per_layer]
+
     host_layers = {int(x) for x in args.host_layers.split(",") if x}
     every = set(range(plan.geometry.num_experts))
 
@@ -166,9 +189,13 @@ def main(argv: list[str] | None = None) -> int:
         {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
-    results, host_bytes, not_run, failed = {}, None, [], {}
+    results, not_run, failed = {}, [], {}
+    host_bytes: dict[int, int] = {}  # measured bytes on host, by host experts per layer
     ran_model = args.model.name
     specs = args.configs.split(",")
+    for fraction in args.sweep:
+        n = max(1, round(fraction * plan.geometry.num_experts))
+        specs += [f"offload-03-swap:{n}", f"cpu-offload-gb:{n}"]
     # rounds after the first run the configurations in reverse order, so that a drift of
     # the machine over the run (clocks, other tenants) favours none of them
     order = [
@@ -177,27 +204,29 @@ def main(argv: list[str] | None = None) -> int:
         for spec in (specs if rnd % 2 else specs[::-1])
     ]
     for rnd, spec in order:
-        name, variant, tree = parse_spec(spec)
+        name, variant, tree, per_layer = parse_spec(spec)
+        per_layer = per_layer or args.host_experts_per_layer
         label = f"bench-{spec_slug(spec)}" + (f"-r{rnd}" if rnd > 1 else "")
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
+            cold_path, placed = cold_set(per_layer)
             env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
-            placed = cold
         elif name in ("offload-03", "offload-03-swap"):
+            cold_path, placed = cold_set(per_layer)
             env = {"VLLM_EXPERT_COLD_FILE": str(cold_path), "VLLM_EXPERT_ONE_TABLE": "1"}
             env["VLLM_EXPERT_SWAP"] = "1" if name == "offload-03-swap" else "0"
-            placed = cold
         elif name == "offload-01":
             env = {"VLLM_EXPERT_HOST_LAYERS": args.host_layers}
             placed = {x: every for x in host_layers}
         elif name == "unpatched":
             patched = False
         elif name == "cpu-offload-gb":
-            if host_bytes is None and not args.from_runs:
-                raise SystemExit("cpu-offload-gb needs an offload run first (its host bytes)")
-            engine = gh.engine(
-                cpu_offload_gb=(host_bytes or 0) / GiB, cpu_offload_params=["experts"]
+            # the same host bytes as an offload run of this size, else the checkpoint's
+            # expert bytes for that many experts in every layer
+            same = host_bytes.get(per_layer) or (
+                per_layer * plan.geometry.num_layers * expert_bytes(args.model)
             )
+            engine = gh.engine(cpu_offload_gb=same / GiB, cpu_offload_params=["experts"])
             patched = False
         if "count" in variant:
             env["VLLM_EXPERT_COUNT_FILE"] = str(args.out.with_suffix(f".{name}.counts.json"))
@@ -239,13 +268,17 @@ def main(argv: list[str] | None = None) -> int:
                 gh.log(f"configuration {spec} (round {rnd}) FAILED: {e}")
                 failed[label.removeprefix("bench-")] = str(e)[-2000:]
                 continue
-        if name in ("offload-02", "offload-01"):
-            host_bytes = res["memory"]["expert_host_bytes"] if host_bytes is None else host_bytes
-        if name == "cpu-offload-gb":
+        mem = res["memory"]
+        if name.startswith("offload-0") and name != "offload-01":
+            host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
+        if name == "cpu-offload-gb":  # vLLM offloads whole layers' experts, first layers first
+            layer_bytes = (mem["expert_gpu_bytes"] + mem["expert_host_bytes"]) / max(
+                plan.geometry.num_layers, 1
+            )
             placed = {
                 x: every
                 for x in range(plan.geometry.num_layers)
-                if x < round(res["memory"]["expert_host_bytes"] / (host_bytes or 1))
+                if x < round(mem["expert_host_bytes"] / max(layer_bytes, 1))
             }
         res["host_reads_per_token"] = {}
         for workload, ps in (("fresh", prompts), ("repeat", repeat_prompts)):
@@ -253,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
             res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed)
-        res["spec"] = {"config": name, "variant": variant, "tree": tree}
+        res["spec"] = {"config": name, "variant": variant, "tree": tree, "per_layer": per_layer}
         results[(spec, rnd)] = res
 
     runs = []
@@ -266,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 base = results.get(("unpatched", rnd))  # ratios within a round
                 row = _run_row(res["spec"]["config"], workload, res, base, args.host_read_us)
-                if res["spec"]["variant"] or res["spec"]["tree"]:
+                if spec != res["spec"]["config"]:
                     row["variant"] = spec
+                if res["spec"]["config"] != "unpatched":
+                    row["host_experts_per_layer"] = res["spec"]["per_layer"]
                 row.update(agreement(res, base, workload))
                 per_round.append(row)
             if per_round:
@@ -339,14 +374,23 @@ def merge_rounds(rows: list[dict]) -> dict:
     return out
 
 
-def parse_spec(spec: str) -> tuple[str, str, str | None]:
-    """A --configs entry: CONFIG[+count][+churn][@TREE]. `+count` turns the usage-counting
-    hook on; `+churn` makes the runtime swap decide every decode step with no margin;
+def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
+    """A --configs entry: CONFIG[:N][+count][+churn][@TREE]. `:N` puts N experts of every
+    layer on host (offload-02/03; for cpu-offload-gb the same bytes); `+count` turns the
+    usage-counting hook on; `+churn` makes the runtime swap decide every decode step;
     `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
     spec, _, tree = spec.partition("@")
-    name, *extras = spec.split("+")
+    head, *extras = spec.split("+")
+    name, _, size = head.partition(":")
     if name not in CONFIGS:
         raise SystemExit(f"unknown config {name!r}: one of {', '.join(CONFIGS)}")
+    per_layer = None
+    if size:
+        if not size.isdigit() or int(size) < 1:
+            raise SystemExit(f"{spec!r}: ':N' needs a number of host experts per layer >= 1")
+        if name in ("unpatched", "offload-01"):
+            raise SystemExit(f"{spec!r}: {name} has no host experts per layer to set")
+        per_layer = int(size)
     for x in extras:
         if x not in ("count", "churn"):
             raise SystemExit(f"unknown variant +{x} in {spec!r}: +count or +churn")
@@ -354,13 +398,13 @@ def parse_spec(spec: str) -> tuple[str, str, str | None]:
         raise SystemExit(f"+churn needs offload-03-swap, not {name}")
     if (extras or tree) and name in ("unpatched", "cpu-offload-gb"):
         raise SystemExit(f"{name} runs unpatched vLLM: no variants")
-    return name, "+".join(extras), tree or None
+    return name, "+".join(extras), tree or None, per_layer
 
 
 def spec_slug(spec: str) -> str:
     """A file-name-safe form of a --configs entry (cache and raw-run file names)."""
-    name, variant, tree = parse_spec(spec)
-    slug = name + (f"+{variant}" if variant else "")
+    name, variant, tree, per_layer = parse_spec(spec)
+    slug = name + (f"-h{per_layer}" if per_layer else "") + (f"+{variant}" if variant else "")
     if tree:
         slug += "@" + hashlib.sha256(tree.encode()).hexdigest()[:8]
     return slug

@@ -66,15 +66,42 @@ def test_physical_bound_is_unpatched_tpot_plus_reads_times_the_read_cost(report)
 def test_config_specs():
     from eotools.bench_offload import parse_spec, spec_slug
 
-    assert parse_spec("offload-02") == ("offload-02", "", None)
-    assert parse_spec("offload-02+count") == ("offload-02", "count", None)
-    assert parse_spec("offload-03-swap+churn") == ("offload-03-swap", "churn", None)
-    assert parse_spec("offload-02@/tmp/p3") == ("offload-02", "", "/tmp/p3")
-    assert spec_slug("offload-02") == "offload-02"
+    assert parse_spec("offload-02") == ("offload-02", "", None, None)
+    assert parse_spec("offload-02+count") == ("offload-02", "count", None, None)
+    assert parse_spec("offload-03-swap+churn") == ("offload-03-swap", "churn", None, None)
+    assert parse_spec("offload-02@/tmp/p3") == ("offload-02", "", "/tmp/p3", None)
+    assert parse_spec("offload-03-swap:26+churn") == ("offload-03-swap", "churn", None, 26)
+    assert parse_spec("cpu-offload-gb:205") == ("cpu-offload-gb", "", None, 205)
+    assert spec_slug("offload-02") == "offload-02"  # the committed raw runs' names
+    assert spec_slug("offload-03-swap:26") == "offload-03-swap-h26"
     assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
-    for bad in ("offload-04", "offload-02+churn", "offload-02+fast", "unpatched+count"):
+    bad = ("offload-04", "offload-02+churn", "offload-02+fast", "unpatched+count")
+    for spec in (*bad, "unpatched:3", "offload-01:3", "offload-02:x", "offload-02:0"):
         with pytest.raises(SystemExit):
-            parse_spec(bad)
+            parse_spec(spec)
+
+
+def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path):
+    model = tmp_path / "target-int4-8l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
+    (tmp_path / "empty").mkdir()
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
+    cmd += ["--from-runs", str(tmp_path / "empty"), "--configs", "unpatched"]
+    cmd += ["--sweep", "0.05,0.4", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
+    doc = json.loads(out.read_text())
+    assert doc["not_run"] == [
+        "unpatched",
+        "offload-03-swap-h26",
+        "cpu-offload-gb-h26",
+        "offload-03-swap-h205",
+        "cpu-offload-gb-h205",
+    ]
+    for n in (26, 205):  # a cold file per size, n experts of every layer
+        cold = json.loads(out.with_suffix(f".cold-{n}.json").read_text())
+        assert {len(v) for v in cold["layers"].values()} == {n}
 
 
 def test_agreement_with_unpatched():

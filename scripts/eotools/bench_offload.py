@@ -1,20 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """Side-by-side benchmark of the offload paths on one GPU, in one run (SPEC section 7).
 
-Configurations (--configs): unpatched; cpu-offload-gb (vLLM's --cpu-offload-gb with the same
-host bytes as an offload configuration of the same size); offload-01 (whole layers on host); offload-02
-(cold file, two tables); offload-03 (cold file, one table, no swap) and offload-03-swap (one
-table with runtime swap). Workloads: fresh (one held-out prompt of every domain) and repeat
-(three domains' prompts four times each in a row, the swap's case), for decode speed and
-TPOT percentiles; TTFT at 2k and 8k prompt tokens. Every repeat is kept. Host reads per token
-come from the model's planted routing of the very tokens decoded (exact for make-test-model
-checkpoints, whose routers are planted), and with runtime swap from its own counters.
+Configurations (--configs): unpatched; cpu-offload-gb (vLLM's --cpu-offload-gb with the
+same host bytes as an offload configuration of the same size); offload-01 (whole layers on
+host); offload-02 (cold file, two tables); offload-03 (cold file, one table, no swap) and
+offload-03-swap (one table with runtime swap). Workloads: fresh (one held-out prompt of every
+domain) and repeat (three domains' prompts four times each in a row, the swap's case), for
+decode speed and TPOT percentiles; TTFT at 2k and 8k prompt tokens. Every repeat is kept.
+Host reads per token come from the model's planted routing of the very tokens decoded (exact
+for make-test-model checkpoints, whose routers are planted), and with runtime swap from its
+own counters.
 
-The reference table (SPEC section 7) in one command, e.g. on a 16-layer model:
+The reference table (SPEC section 7) in one command, e.g. on a 16-layer model with 10% of
+the experts on host (51 of 512 per layer) and a sweep of the host fraction:
 
-    bench-offload --model M --configs unpatched,cpu-offload-gb,offload-01,offload-02,\
-        offload-03,offload-03-swap --host-experts-per-layer 51 --sweep 0.05,0.1,0.2,0.4 \
-        --host-layers 0,1 --host-read-us 55.7 --out FILE
+    bench-offload --model M --host-experts-per-layer 51 --host-layers 0,1
+        --configs unpatched,cpu-offload-gb,offload-01,offload-02,offload-03,offload-03-swap
+        --sweep 0.05,0.1,0.2,0.4 --host-read-us 55.7 --out FILE
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import numpy as np
 
 from . import gpu_harness as gh
-from .bench.report import CONFIGS  # the result format's configuration names
+from .bench.configs import CONFIGS
 from .coldset import synthetic_cold_file
 from .selection import expert_bytes
 from .testmodel import data
@@ -195,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = args.configs.split(",")
     for fraction in args.sweep:
         n = max(1, round(fraction * plan.geometry.num_experts))
-        specs += [f"offload-03-swap:{n}", f"cpu-offload-gb:{n}"]
+        for name in ("offload-03-swap", "cpu-offload-gb"):
+            spec = name if n == args.host_experts_per_layer else f"{name}:{n}"
+            if spec not in specs:  # the main table's size is not run twice
+                specs.append(spec)
     # rounds after the first run the configurations in reverse order, so that a drift of
     # the machine over the run (clocks, other tenants) favours none of them
     order = [

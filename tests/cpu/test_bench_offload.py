@@ -88,14 +88,16 @@ def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path)
     (tmp_path / "empty").mkdir()
     out = tmp_path / "sweep.json"
     cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
-    cmd += ["--from-runs", str(tmp_path / "empty"), "--configs", "unpatched"]
-    cmd += ["--sweep", "0.05,0.4", "--out", str(out)]
+    cmd += ["--from-runs", str(tmp_path / "empty"), "--configs", "unpatched,offload-03-swap"]
+    cmd += ["--sweep", "0.05,0.125,0.4", "--out", str(out)]  # 0.125: the default 64
     subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
     doc = json.loads(out.read_text())
     assert doc["not_run"] == [
         "unpatched",
+        "offload-03-swap",
         "offload-03-swap-h26",
         "cpu-offload-gb-h26",
+        "cpu-offload-gb",
         "offload-03-swap-h205",
         "cpu-offload-gb-h205",
     ]

@@ -13,15 +13,7 @@ from collections.abc import Sequence
 
 from . import metrics as m
 from . import prom
-
-CONFIGS = (
-    "unpatched",
-    "cpu-offload-gb",
-    "offload-01",
-    "offload-02",
-    "offload-03",
-    "offload-03-swap",
-)
+from .configs import CONFIGS  # noqa: F401 (re-exported for the CLI)
 
 
 def now_iso() -> str:

@@ -102,6 +102,8 @@ def test_2x32GB_serves_the_spec_settings(repo_root):
     cold = svc["environment"]["VLLM_EXPERT_COLD_FILE"]
     assert substitute(cold, {}) == "/cold/3GiB-per-card.json"
     assert substitute(cold, {"COLD_FILE": "/cold/2GiB.json"}) == "/cold/2GiB.json"
+    one_table = svc["environment"]["VLLM_EXPERT_ONE_TABLE"]  # offload-03: opt-in
+    assert substitute(one_table, {}) == "0" and substitute(one_table, {"ONE_TABLE": "1"}) == "1"
 
 
 @pytest.mark.parametrize("name", list(SPEC_OTHERS))

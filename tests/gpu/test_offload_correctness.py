@@ -174,6 +174,28 @@ def test_int4_one_table_matches_unpatched(int4_model, int4_cold_file, int4_unpat
     _check(f"int4-onetable-swap-{swap}-2048", run, int4_unpatched["2048"], int4_unpatched["noise"])
 
 
+def test_a_driver_that_refuses_the_host_mapping_falls_back_to_two_tables(
+    int4_model, int4_cold_file
+):
+    """VLLM_EXPERT_ONE_TABLE=1 with the host-memory mapping refused (fault injection): the
+    server starts, every layer keeps its two tables (offload-02), a log line names the
+    reason, and the tokens are offload-02's."""
+    env = {"VLLM_EXPERT_COLD_FILE": str(int4_cold_file)}
+    two = _run("int4-offload02-2048", int4_model, True, 2048, env)
+    refused = _run(
+        "int4-onetable-refused-2048",
+        int4_model,
+        True,
+        2048,
+        {**env, "VLLM_EXPERT_ONE_TABLE": "1", "VLLM_EXPERT_VMM_FAIL_AT": "cuMemCreate[host]"},
+    )
+    assert refused["memory"]["one_table_layers"] == 0
+    assert refused["memory"]["expert_host_bytes"] == two["memory"]["expert_host_bytes"]
+    log = pathlib.Path(refused["log_file"]).read_text()
+    assert "keep two tables (offload-02)" in log and "host-mapping probe failed" in log
+    assert _diff(refused, two)["tokens_identical"]
+
+
 def test_int4_host_layer_matches_unpatched(int4_model, int4_unpatched):
     run = _run("int4-offload01-2048", int4_model, True, 2048, {"VLLM_EXPERT_HOST_LAYERS": "0"})
     assert run["memory"]["expert_host_bytes"] > 0

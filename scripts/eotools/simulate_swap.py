@@ -17,7 +17,8 @@ import numpy as np
 from .swap_policy import SwapPolicy, simulate
 
 EPILOG = """Picks come from a recorded file (--picks: .npy or .npz array 'picks' of shape
-(decode tokens, layers, top_k), in order) or, for a make-test-model checkpoint, from its
+(decode tokens, layers, top_k), in order; a serving trace, VLLM_EXPERT_COUNT_TRACE_TOKENS, also
+names its layers in 'layers') or, for a make-test-model checkpoint, from its
 planted routers over conversations that stay in one domain (--model with --domain).
 
 exit codes: 0 done; 1 bad input; 2 usage."""
@@ -80,14 +81,24 @@ def main(argv: list[str] | None = None) -> int:
     layers, experts = cold_doc["model"]["num_layers"], cold_doc["model"]["num_experts"]
     if args.picks:
         arr = np.load(args.picks)
-        arr = arr["picks"] if isinstance(arr, np.lib.npyio.NpzFile) else arr
+        recorded = None
+        if isinstance(arr, np.lib.npyio.NpzFile):
+            # the serving hook's trace names its rank's layers (VLLM_EXPERT_COUNT_TRACE_TOKENS)
+            recorded = arr["layers"].tolist() if "layers" in arr.files else None
+            arr = arr["picks"]
+        if recorded is not None:
+            if any(not 0 <= x < layers for x in recorded):
+                print(f"error: {args.picks}: layers {recorded} not in the model", file=sys.stderr)
+                return 1
+            host = {i: host.get(x, []) for i, x in enumerate(recorded)}
+            layers = len(recorded)
         if arr.ndim != 3 or arr.shape[1] != layers:
             print(
                 f"error: {args.picks}: picks must be (tokens, {layers} layers, top_k)",
                 file=sys.stderr,
             )
             return 1
-        workloads = {args.picks.name: arr}
+        workloads = {args.picks.name: arr.astype(np.int64)}
     elif args.model and args.domain:
         workloads = {
             d: np.stack(

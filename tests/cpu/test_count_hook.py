@@ -13,6 +13,8 @@ import http.server
 import json
 import os
 import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -475,3 +477,85 @@ def test_counts_follow_the_runtime_swap(one_table_counted, monkeypatch):
     decode = counters.counts(2)[:, 1]
     assert int(decode[first]) == 2 and int(decode[host]) == 2  # each counted twice, by id
     assert int(decode.sum()) == 8
+
+
+# ---- the per-token pick trace (VLLM_EXPERT_COUNT_TRACE_TOKENS) ------------------------------
+def test_the_trace_keeps_decode_picks_in_order(vllm_cpu, hook, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_EXPERT_COUNT_TRACE_TOKENS", "5")
+    path = tmp_path / "counts.json"
+    runners = [build(layer, str(path)) for layer in (1, 3)]
+    counters = hook.get_counters()
+
+    def step(qsl, prefilling, ids):
+        counters.prepare_step(np.array(qsl), np.array(prefilling))
+        for i, r in enumerate(runners):  # layer 3 picks differ from layer 1's: +1
+            route(r, torch.tensor(ids, dtype=torch.int32) + i)
+
+    # a prefill of 2 tokens and one decode token, then two decode tokens twice (the same
+    # layout: the counting fast path), then a dummy run, then one more decode token
+    step([0, 2, 3], [True, False], [[9, 9, 9, 9], [9, 9, 9, 9], [0, 1, 2, 3]])
+    step([0, 1, 2], [False, False], [[4, 5, 6, 7], [8, 9, 10, 11]])
+    step([0, 1, 2], [False, False], [[1, 2, 3, 4], [5, 6, 7, 8]])
+    counters.prepare_step(None, None)
+    route(runners[0], torch.full((2, K), 9, dtype=torch.int32))
+    step([0, 1], [False], [[2, 4, 6, 8]])  # the trace is full after 5 tokens: not kept
+    counters.write()
+    trace = np.load(tmp_path / "counts.picks.npz")
+    assert trace["layers"].tolist() == [1, 3]
+    want = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [1, 2, 3, 4], [5, 6, 7, 8]]
+    assert trace["picks"].shape == (5, 2, K)
+    assert trace["picks"][:, 0].tolist() == want
+    assert trace["picks"][:, 1].tolist() == [[x + 1 for x in row] for row in want]
+    assert counters.tokens == {"prefill": 2, "decode": 6}  # counting itself goes on
+
+
+def test_no_trace_without_the_setting(vllm_cpu, hook, tmp_path):
+    path = tmp_path / "counts.json"
+    runner = build(1, str(path))
+    counters = hook.get_counters()
+    counters.prepare_step(np.array([0, 1]), np.array([False]))
+    route(runner, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32))
+    counters.write()
+    assert counters.trace is None and not (tmp_path / "counts.picks.npz").exists()
+
+
+def test_simulate_swap_replays_a_serving_trace(vllm_cpu, hook, tmp_path, monkeypatch, repo_root):
+    """The hook's trace of layers 1 and 3 of a 4-layer model goes straight into
+    scripts/simulate-swap: host reads counted against the cold set of those layers."""
+    monkeypatch.setenv("VLLM_EXPERT_COUNT_TRACE_TOKENS", "64")
+    path = tmp_path / "counts.json"
+    runners = {layer: build(layer, str(path)) for layer in (1, 3)}
+    counters = hook.get_counters()
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)
+    for _ in range(3):
+        counters.prepare_step(np.array([0, 1, 2]), np.array([False, False]))
+        for r in runners.values():
+            route(r, ids)
+    counters.write()
+    cold = {
+        "format": "vllm-expert-offload/cold-set",
+        "version": 1,
+        "model": {"name": "unit", "num_layers": 4, "num_experts": E},
+        "layers": {"0": [0, 1, 2, 3], "1": [0, 1], "3": [5]},  # layer 0 is not in the trace
+    }
+    (tmp_path / "cold.json").write_text(json.dumps(cold))
+    out = tmp_path / "sim.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(repo_root / "scripts/simulate-swap"),
+            "--cold",
+            str(tmp_path / "cold.json"),
+            "--picks",
+            str(tmp_path / "counts.picks.npz"),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    fixed = json.loads(out.read_text())["results"][0]
+    assert fixed["policy"] is None and fixed["tokens"] == 6
+    # each step: layer 1 reads experts 0 and 1 for the first token, layer 3 expert 5 for the second
+    assert fixed["reads_per_token"] == pytest.approx((2 + 1) * 3 / 6)

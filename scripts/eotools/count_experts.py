@@ -13,12 +13,20 @@ Sources:
              PATH-stem.ppN/.dpN.json per rank) with that nonce. Serve nothing else while
              counting, and disable prefix caching (a cached prefix is not prefilled, so
              it is not counted).
+  engine     starts vLLM offline in this process (vllm.LLM, with the series applied on
+             this machine) with the counting hook on, prefix caching off and any
+             --engine-arg, and counts the same way as server; the hook's files go to
+             --counts-file (default OUT_DIR/.engine-counts/counts.json).
+
+Before the first data set one short request starts the hook's writer (it starts at the
+first real step of a server, after CUDA graph capture); it is not in any set's counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import re
 import sys
@@ -202,6 +210,45 @@ class CompletionsClient:
         return out.get("usage") or {}
 
 
+class EngineClient:
+    """An offline vLLM engine in this process with the counting hook on: the calls of
+    CompletionsClient, and a batched one."""
+
+    def __init__(
+        self,
+        model: str,
+        counts_file: pathlib.Path,
+        engine_args: dict,
+        llm_factory=None,
+        params_factory=None,
+    ):
+        os.environ["VLLM_EXPERT_COUNT_FILE"] = str(counts_file)  # before vLLM starts
+        self.url = f"offline engine ({model})"
+        self.model = model
+        if llm_factory is None or params_factory is None:
+            try:
+                from vllm import LLM, SamplingParams
+            except ImportError as e:
+                raise CountsError(
+                    "--source engine needs vLLM with the series applied on this machine "
+                    f"({e}); or count a running server with --source server"
+                ) from e
+            llm_factory, params_factory = LLM, SamplingParams
+        self._params = params_factory
+        self.llm = llm_factory(model=model, **{"enable_prefix_caching": False, **engine_args})
+
+    def complete(self, prompt: str, max_tokens: int) -> dict:
+        return self.complete_all([prompt], max_tokens)
+
+    def complete_all(self, prompts: list[str], max_tokens: int) -> dict:
+        params = self._params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return {
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+            "completion_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        }
+
+
 def server_counts(
     client: CompletionsClient,
     hook: HookFiles,
@@ -219,8 +266,11 @@ def server_counts(
     max_tokens = 1 if mode == "prefill" else decode_tokens
     before = hook.snapshot()
     usage = {"prompt_tokens": 0, "completion_tokens": 0}
-    for text in seqs:
-        u = client.complete(text, max_tokens)
+    if hasattr(client, "complete_all"):  # an offline engine: one batch
+        usages = [client.complete_all(seqs, max_tokens)]
+    else:
+        usages = [client.complete(text, max_tokens) for text in seqs]
+    for u in usages:
         for k in usage:
             usage[k] += int(u.get(k, 0))
     after = hook.snapshot()
@@ -230,6 +280,7 @@ def server_counts(
             f"data set {name!r}: the hook counted no tokens; is {hook.path} the file of "
             f"the server at {client.url}?"
         )
+    source = "engine" if isinstance(client, EngineClient) else "server"
     diff.data = {
         "name": name,
         "kind": kind,
@@ -239,12 +290,30 @@ def server_counts(
         "mode": mode,
         "decode_tokens_per_sequence": max_tokens if mode == "generate" else 0,
         "api_usage": usage,
-        "server": {"url": client.url, "served_model": client.model},
+        source: {"url": client.url, "served_model": client.model},
     }
-    diff.tool = f"scripts/count-experts --source server ({mode}; vLLM counting hook)"
+    diff.tool = f"scripts/count-experts --source {source} ({mode}; vLLM counting hook)"
     for k in ("ranks", "snapshot"):
         diff.extra.pop(k, None)
     return diff
+
+
+def engine_args(pairs: list[str]) -> dict:
+    """--engine-arg KEY=VALUE pairs: VALUE as JSON where it parses, else a string."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--engine-arg takes KEY=VALUE, not {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def make_engine_client(model: str, counts_file: pathlib.Path, pairs: list[str]) -> EngineClient:
+    return EngineClient(model, counts_file, engine_args(pairs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,7 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         default=128,
         help="tokens to generate after each sequence (its decode picks)",
     )
-    ap.add_argument("--source", choices=("synthetic", "server"), default="synthetic")
+    ap.add_argument("--source", choices=("synthetic", "server", "engine"), default="synthetic")
+    ap.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--source engine: a vllm.LLM keyword argument (VALUE as JSON, else a string), "
+        "e.g. tensor_parallel_size=2; repeat",
+    )
     ap.add_argument("--url", default="http://localhost:8000", help="--source server")
     ap.add_argument(
         "--counts-file",
@@ -312,16 +389,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.source == "synthetic" and args.model is None:
         print("error: --source synthetic needs --model", file=sys.stderr)
         return 2
-    if args.source == "server":
-        if args.counts_file is None:
-            print("error: --source server needs --counts-file", file=sys.stderr)
-            return 2
+    if args.source == "server" and args.counts_file is None:
+        print("error: --source server needs --counts-file", file=sys.stderr)
+        return 2
+    if args.source == "engine" and args.model is None:
+        print("error: --source engine needs --model (a checkpoint folder)", file=sys.stderr)
+        return 2
+    if args.source in ("server", "engine"):
+        counts_file = args.counts_file or args.out_dir / ".engine-counts" / "counts.json"
         try:
-            client = CompletionsClient(args.url, str(args.model) if args.model else None)
-        except CountsError as e:
+            if args.source == "server":
+                client = CompletionsClient(args.url, str(args.model) if args.model else None)
+            else:
+                counts_file.parent.mkdir(parents=True, exist_ok=True)
+                client = make_engine_client(str(args.model), counts_file, args.engine_arg)
+            hook = HookFiles(counts_file, timeout_s=args.timeout)
+            client.complete("warm-up", 1)  # starts the hook's writer; counted in no set
+        except (CountsError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        hook = HookFiles(args.counts_file, timeout_s=args.timeout)
     try:
         from tqdm import tqdm
     except ImportError:  # plain progress lines
@@ -332,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: data set {name!r}: no file {path}", file=sys.stderr)
             return 1
         try:
-            if args.source == "server":
+            if args.source in ("server", "engine"):
                 counts = server_counts(
                     client,
                     hook,
@@ -346,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                 counts = synthetic_counts(
                     args.model, name, kinds.get(name, name), path, args.decode_tokens
                 )
-        except ValueError as e:
+        except (ValueError, CountsError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         counts.save(args.out_dir / f"{name}.json")

@@ -411,6 +411,81 @@ def test_count_experts_server_errors(fake_server, tmp_path, capsys):
     )
 
 
+def test_count_experts_engine_drives_an_offline_engine(fake_server, tmp_path, monkeypatch):
+    """--source engine: vllm.LLM in this process, started with the hook on, prefix caching
+    off and the --engine-arg values; counts per set as with a server (the fake's hook)."""
+    import types
+
+    from eotools import count_experts
+    from eotools.counts import load_counts
+
+    made = {}
+
+    class FakeLLM:  # picks like FakeServer: expert (words % E) per prompt token
+        def __init__(self, model, **kwargs):
+            made.update(model=model, kwargs=kwargs, env=os.environ["VLLM_EXPERT_COUNT_FILE"])
+
+        def generate(self, prompts, params, use_tqdm=True):
+            outs = []
+            for prompt in prompts:
+                n, gen = len(prompt.split()), params["max_tokens"]
+                with fake_server.lock:
+                    fake_server.prefill[:, n % E] += n
+                    fake_server.decode[:, (n + 1) % E] += gen - 1
+                    fake_server.tokens[0] += n
+                    fake_server.tokens[1] += gen - 1
+                outs.append(
+                    types.SimpleNamespace(
+                        prompt_token_ids=[0] * n,
+                        outputs=[types.SimpleNamespace(token_ids=[0] * gen)],
+                    )
+                )
+            return outs
+
+    monkeypatch.setattr(
+        count_experts,
+        "make_engine_client",
+        lambda model, counts_file, pairs: count_experts.EngineClient(
+            model, counts_file, count_experts.engine_args(pairs), FakeLLM, dict
+        ),
+    )
+    monkeypatch.setenv("VLLM_EXPERT_COUNT_FILE", "")  # restored after: the client sets it
+    (tmp_path / "code.txt").write_text("a b c\n\nd e f g h\n")
+    args = ["--source", "engine", "--model", "/models/m", "--counts-file"]
+    args += [str(fake_server.counts_file), "--out-dir", str(tmp_path / "out"), "--timeout", "10"]
+    args += ["--engine-arg", "tensor_parallel_size=2", "--engine-arg", "quantization=gptq"]
+    assert count_experts.main(args + ["--data", f"code={tmp_path / 'code.txt'}"]) == 0
+    assert made == {
+        "model": "/models/m",
+        "kwargs": {
+            "enable_prefix_caching": False,
+            "tensor_parallel_size": 2,
+            "quantization": "gptq",
+        },
+        "env": str(fake_server.counts_file),
+    }
+    code = load_counts(tmp_path / "out" / "code.json")
+    assert code.data["tokens"] == {"prefill": 8, "decode": 2 * 127}  # not the warm-up
+    assert code.prefill[:, 3].tolist() == [3] * 4 and code.prefill[:, 5].tolist() == [5] * 4
+    assert code.data["engine"]["served_model"] == "/models/m"
+    assert code.tool.startswith("scripts/count-experts --source engine")
+    assert code.data["api_usage"] == {"prompt_tokens": 8, "completion_tokens": 256}
+
+
+def test_count_experts_engine_needs_a_model_and_vllm(tmp_path, capsys, monkeypatch):
+    from eotools import count_experts
+
+    (tmp_path / "t.txt").write_text("a b\n")
+    base = ["--source", "engine", "--out-dir", str(tmp_path), "--data", f"t={tmp_path / 't.txt'}"]
+    assert count_experts.main(base) == 2
+    monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM on this machine
+    monkeypatch.setenv("VLLM_EXPERT_COUNT_FILE", "")  # restored after: the client sets it
+    assert count_experts.main(base + ["--model", "m"]) == 1
+    assert "needs vLLM with the series applied" in capsys.readouterr().err
+    assert count_experts.main(base + ["--model", "m", "--engine-arg", "novalue"]) == 1
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
 # ---- counting through one table (offload-03) ------------------------------------------------
 @pytest.fixture()
 def one_table_counted(vllm_cpu, hook, tmp_path, monkeypatch):

@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+"""scripts/gpu-suite on the CPU: steps run in order with their logs, OUT in arguments is the
+output folder, a step with no time left is reported as not run, and the exit code says so.
+
+    scripts/test tests/cpu/test_gpu_suite.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+
+def test_steps_logs_and_budget(repo_root, tmp_path):
+    env = {
+        **os.environ,
+        "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "EO_GPU_WORK": str(tmp_path / "work"),
+    }
+    raw = repo_root / "bench/results/raw/2026-12-01-offload03-bench-a-h200"
+    model = tmp_path / "work/models/m8"
+    steps = [
+        "model:m8:--layers 8 --no-weights",
+        f"bench:--model {model} --from-runs {raw} --configs unpatched,offload-02 --out OUT/b.json",
+    ]
+    out = tmp_path / "out"
+    cmd = [str(repo_root / "scripts/gpu-suite"), "--out", str(out), *steps]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (model / ".complete").exists() and (out / "01-model.log").exists()
+    doc = json.loads((out / "b.json").read_text())
+    assert {x["config"] for x in doc["runs"]} == {"unpatched", "offload-02"}
+    summary = (out / "summary.txt").read_text()
+    assert "step 2 (bench) exit 0" in summary
+
+    # no time left for a step: not run, and the exit code says the suite is incomplete
+    cmd = [str(repo_root / "scripts/gpu-suite"), "--budget-s", "20", "--out", str(out)]
+    r = subprocess.run([*cmd, "model:m8:", "serve"], env=env, capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "step 2 (serve) not run: no time left" in r.stdout

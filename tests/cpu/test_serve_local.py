@@ -15,34 +15,6 @@ import socket
 import subprocess
 import sys
 
-FAKE_SERVER = r"""
-import http.server, json, sys
-port = int(sys.argv[1])
-print("preflight: OK   vllm: fake")
-print("Expert offload active: split experts (VLLM_EXPERT_COLD_FILE) (4 of 4 MoE layers).")
-print("Expert offload: routed experts on this rank: 0.01 GiB in host memory, 0.1 GiB in VRAM.")
-print("Expert offload: host experts per MoE layer min/median/max = 64/64/64 of 512.", flush=True)
-METRICS = ('vllm:expert_offload_info{path="offload-02",rank="dp0_pp0_tp0"} 1.0\n'
-           'vllm:expert_offload_host_bytes{rank="dp0_pp0_tp0"} 1048576.0\n')
-class H(http.server.BaseHTTPRequestHandler):
-    def _send(self, body, ctype="application/json"):
-        data = body.encode()
-        self.send_response(200)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-    def do_GET(self):
-        self._send(METRICS if self.path == "/metrics" else "", "text/plain")
-    def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
-        c = {"message": {"content": "hi"}} if "chat" in self.path else {"text": " a"}
-        self._send(json.dumps({"usage": {"completion_tokens": 1}, "choices": [c]}))
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-"""
-
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -63,13 +35,12 @@ def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
     ).stdout.strip()
     patched.mkdir()
     (patched / f".series-{stamp}").touch()  # an up-to-date patched copy: not patched again
-    (tmp_path / "server.py").write_text(FAKE_SERVER)
     entry = tmp_path / "entrypoint"
     entry.write_text(
         "#!/usr/bin/env bash\n"
         f'printf "%s\\n" "$@" > {tmp_path}/args\n'
         "while [[ $# -gt 0 && $1 != --port ]]; do shift; done\n"
-        f'exec python3 {tmp_path}/server.py "$2"\n'
+        f'exec python3 {repo_root}/tests/cpu/fake_openai_server.py "$2"\n'
     )
     entry.chmod(0o755)
     port = _free_port()

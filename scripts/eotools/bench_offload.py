@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         res["spec"] = {"config": name, "variant": variant, "tree": tree, "per_layer": per_layer}
         results[(spec, rnd)] = res
 
+    machines: list[dict] = []
+    for res in results.values():
+        if res.get("machine") and res["machine"] not in machines:
+            machines.append(res["machine"])
     runs = []
     for spec in specs:
         for workload in ("fresh", "repeat"):
@@ -326,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         "engine": gh.BASE_ENGINE,
         "host_read_us": args.host_read_us,
         "rounds": args.rounds,
+        # the hosts the engines ran on (CPU, driver, PCIe link, clocks), where recorded
+        "machines": machines,
         "runs": runs,
         "not_run": not_run,
         "failed": failed,

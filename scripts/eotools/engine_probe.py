@@ -188,6 +188,37 @@ def _ttft(llm, task: dict) -> dict:
 TASKS = {"greedy": _greedy, "decode_timing": _decode_timing, "ttft": _ttft}
 
 
+def machine() -> dict[str, Any]:
+    """What makes one GPU host decode faster than another of the same GPU: the CPU (decode
+    of small models is host-bound), the driver, the PCIe link and the clocks."""
+    import subprocess
+
+    out: dict[str, Any] = {"cpus": os.cpu_count()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        out["cpu"] = names[0] if names else None
+    except OSError:
+        out["cpu"] = None
+    fields = (
+        "name,driver_version,pcie.link.gen.current,pcie.link.width.current,"
+        "clocks.sm,clocks.max.sm,clocks.mem"
+    )
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.splitlines()[0]
+        values = [x.strip() for x in line.split(",")]
+        out["gpu"] = dict(zip(fields.split(","), values, strict=False))
+    except (OSError, subprocess.SubprocessError, IndexError):
+        out["gpu"] = None
+    return out
+
+
 def run(config: dict) -> dict:
     os.environ.update({k: str(v) for k, v in config.get("env", {}).items()})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -198,6 +229,7 @@ def run(config: dict) -> dict:
     t0 = time.perf_counter()
     llm = LLM(model=config["model"], **config.get("engine", {}))
     result["startup_s"] = time.perf_counter() - t0
+    result["machine"] = machine()
     placement = llm.apply_model(_expert_placement)[0]
     free, total = torch.cuda.mem_get_info()
     result["memory"] = {

@@ -190,3 +190,32 @@ def test_rounds_pair_each_configuration_with_the_unpatched_run_of_its_round(repo
     assert fresh["sequences_identical_to_unpatched"] == "12/12"
     assert doc["rounds"] == 2 and not doc["not_run"]
     assert "over 2 rounds" in out.with_suffix(".md").read_text()
+
+
+def test_engine_runs_record_their_machine(monkeypatch):
+    """Decode speed differs between hosts of the same GPU (run c of 2026-12-01): each engine
+    run says what it ran on, from /proc/cpuinfo and nvidia-smi."""
+    import subprocess as sp
+    import types
+
+    from eotools.engine_probe import machine
+
+    line = "NVIDIA H200, 580.82.07, 5, 16, 1980, 1980, 3201\n"
+    monkeypatch.setattr(sp, "run", lambda *a, **k: types.SimpleNamespace(stdout=line))
+    m = machine()
+    assert m["cpus"] >= 1 and m["cpu"]
+    assert m["gpu"] == {
+        "name": "NVIDIA H200",
+        "driver_version": "580.82.07",
+        "pcie.link.gen.current": "5",
+        "pcie.link.width.current": "16",
+        "clocks.sm": "1980",
+        "clocks.max.sm": "1980",
+        "clocks.mem": "3201",
+    }
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(sp, "run", missing)
+    assert machine()["gpu"] is None

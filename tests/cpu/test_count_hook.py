@@ -634,3 +634,17 @@ def test_simulate_swap_replays_a_serving_trace(vllm_cpu, hook, tmp_path, monkeyp
     assert fixed["policy"] is None and fixed["tokens"] == 6
     # each step: layer 1 reads experts 0 and 1 for the first token, layer 3 expert 5 for the second
     assert fixed["reads_per_token"] == pytest.approx((2 + 1) * 3 / 6)
+
+
+def test_the_model_runner_builds_the_step_layout_only_when_used(vllm_cpu, monkeypatch):
+    """Offload off: the V1 model runner's step skips building the hook's arguments."""
+    from vllm.model_executor.layers.fused_moe import expert_offload
+
+    for var in ("VLLM_EXPERT_COUNT_FILE", "VLLM_EXPERT_ONE_TABLE"):
+        monkeypatch.delenv(var, raising=False)
+    assert not expert_offload.step_hook_active()
+    monkeypatch.setenv("VLLM_EXPERT_ONE_TABLE", "1")
+    assert expert_offload.step_hook_active()
+    monkeypatch.delenv("VLLM_EXPERT_ONE_TABLE")
+    monkeypatch.setenv("VLLM_EXPERT_COUNT_FILE", "/tmp/counts.json")
+    assert expert_offload.step_hook_active()

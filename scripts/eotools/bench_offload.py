@@ -358,7 +358,10 @@ def merge_rounds(rows: list[dict]) -> dict:
     per-round percentiles, and the ratio to unpatched as the median of the per-round
     ratios (each against the unpatched run of its own round) with their range."""
     out = dict(rows[0])
-    med = lambda k: float(np.median([r[k] for r in rows if r.get(k) is not None]))  # noqa: E731
+
+    def med(key: str) -> float:
+        return float(np.median([r[key] for r in rows if r.get(key) is not None]))
+
     out["decode_tok_s"] = [x for r in rows for x in r["decode_tok_s"]]
     for k in ("tpot_ms_p50", "tpot_ms_p90", "ttft_ms", "startup_s", "peak_vram_gib"):
         out[k] = med(k)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from eotools.host_read import EXPERT_BYTES  # one INT4 expert of the target model
 from vllm.model_executor.layers.fused_moe.expert_offload import vmm
 
 try:
@@ -24,9 +25,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-# One INT4 expert of the target model (hidden 2560, width 640, group 128):
-# w13 1280x2560 int4 + w2 2560x640 int4 + BF16 scales of both.
-EXPERT_BYTES = 1_638_400 + 819_200 + 51_200 + 25_600
 
 if triton is not None:
 

@@ -113,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--configs",
         default="offload-02,offload-01,unpatched,cpu-offload-gb",
-        help="comma-separated CONFIG[+count][+churn][@TREE]: +count turns the usage-counting "
-        "hook on, +churn makes offload-03-swap decide every decode step with no margin and "
-        "a half-life of one step (and self-check every 500 decisions), "
+        help="comma-separated CONFIG[+count][+churn|+hold][@TREE]: +count turns the "
+        "usage-counting hook on, +churn makes offload-03-swap decide every decode step with "
+        "no margin and a half-life of one step (and self-check every 500 decisions), +hold "
+        "makes it count and decide as usual but never swap (the cost of counting and "
+        "deciding alone, against offload-03), "
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )
@@ -244,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                 VLLM_EXPERT_SWAP_MARGIN="0",
                 VLLM_EXPERT_SWAP_SELF_CHECK="500",
             )
+        if "hold" in variant:
+            # counts and decisions as by default, but no count can exceed this margin
+            env["VLLM_EXPERT_SWAP_MARGIN"] = "1e30"
         if args.from_runs:
             # bench-<slug>-<16 hex>.json exactly: offload-03's must not match offload-03-swap's
             pattern = re.compile(rf"{re.escape(label)}-[0-9a-f]{{16}}\.json")
@@ -389,9 +394,10 @@ def merge_rounds(rows: list[dict]) -> dict:
 
 
 def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
-    """A --configs entry: CONFIG[:N][+count][+churn][@TREE]. `:N` puts N experts of every
-    layer on host (offload-02/03; for cpu-offload-gb the same bytes); `+count` turns the
-    usage-counting hook on; `+churn` makes the runtime swap decide every decode step;
+    """A --configs entry: CONFIG[:N][+count][+churn|+hold][@TREE]. `:N` puts N experts of
+    every layer on host (offload-02/03; for cpu-offload-gb the same bytes); `+count` turns the
+    usage-counting hook on; `+churn` makes the runtime swap decide every decode step; `+hold`
+    makes it decide as usual with a margin no count reaches (no swap);
     `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
     spec, _, tree = spec.partition("@")
     head, *extras = spec.split("+")
@@ -406,10 +412,13 @@ def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
             raise SystemExit(f"{spec!r}: {name} has no host experts per layer to set")
         per_layer = int(size)
     for x in extras:
-        if x not in ("count", "churn"):
-            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count or +churn")
-    if "churn" in extras and name != "offload-03-swap":
-        raise SystemExit(f"+churn needs offload-03-swap, not {name}")
+        if x not in ("count", "churn", "hold"):
+            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count, +churn or +hold")
+    for x in ("churn", "hold"):
+        if x in extras and name != "offload-03-swap":
+            raise SystemExit(f"+{x} needs offload-03-swap, not {name}")
+    if "churn" in extras and "hold" in extras:
+        raise SystemExit(f"{spec!r}: +churn and +hold exclude each other")
     if (extras or tree) and name in ("unpatched", "cpu-offload-gb"):
         raise SystemExit(f"{name} runs unpatched vLLM: no variants")
     return name, "+".join(extras), tree or None, per_layer

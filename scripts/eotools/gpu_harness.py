@@ -124,6 +124,11 @@ def run_engine(
 
 
 def engine(**overrides) -> dict:
+    """BASE_ENGINE with `overrides`. EO_GPU_MEMORY_UTILIZATION sets vLLM's start-up check of
+    free GPU memory (the KV cache size is fixed anyway), so that engines whose timings do
+    not matter can share one GPU; it is not in the compile cache's key."""
     out = dict(BASE_ENGINE)
+    if share := os.environ.get("EO_GPU_MEMORY_UTILIZATION"):
+        out["gpu_memory_utilization"] = float(share)
     out.update(overrides)
     return out

@@ -43,6 +43,8 @@ def _bind_module() -> None:
         (48, [0, 48, 1, 47, 24, 12], SwapPolicy(8, 64.0, 2.0), 250),
         (40, [5, 20, 35], SwapPolicy(4, 32.0, 0.0), 250),
         (48, [0, 16, 40], SwapPolicy(), 150),
+        # a negative margin (the live stress test): every two-sided layer, every decision
+        (40, [0, 5, 20, 40], SwapPolicy(1, 1.0, -1.0), 120),
     ],
 )
 def test_decide_matches_reference(
@@ -65,7 +67,7 @@ def test_no_swap_without_rows_on_both_sides() -> None:
 
 def test_decide_rejects_bad_parameters() -> None:
     state = sk.SwapCounters.create([1], 2, DEVICE)
-    for decay, margin in ((0.0, 1.0), (1.5, 1.0), (0.9, -1.0)):
+    for decay, margin in ((0.0, 1.0), (1.5, 1.0), (-0.5, -1.0)):
         with pytest.raises(ValueError):
             sk.decide(state, decay, margin)
 

@@ -71,11 +71,19 @@ def test_config_specs():
     assert parse_spec("offload-03-swap+churn") == ("offload-03-swap", "churn", None, None)
     assert parse_spec("offload-02@/tmp/p3") == ("offload-02", "", "/tmp/p3", None)
     assert parse_spec("offload-03-swap:26+churn") == ("offload-03-swap", "churn", None, 26)
+    assert parse_spec("offload-03-swap+hold") == ("offload-03-swap", "hold", None, None)
     assert parse_spec("cpu-offload-gb:205") == ("cpu-offload-gb", "", None, 205)
     assert spec_slug("offload-02") == "offload-02"  # the committed raw runs' names
     assert spec_slug("offload-03-swap:26") == "offload-03-swap-h26"
     assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
-    bad = ("offload-04", "offload-02+churn", "offload-02+fast", "unpatched+count")
+    bad = (
+        "offload-04",
+        "offload-02+churn",
+        "offload-02+fast",
+        "unpatched+count",
+        "offload-03+hold",
+        "offload-03-swap+churn+hold",
+    )
     for spec in (*bad, "unpatched:3", "offload-01:3", "offload-02:x", "offload-02:0"):
         with pytest.raises(SystemExit):
             parse_spec(spec)

@@ -133,6 +133,15 @@ def test_policy_moves_a_hot_host_expert_and_respects_the_margin():
     assert state.host_reads(np.array([[1, 3]])) == 1
 
 
+def test_a_negative_margin_swaps_every_layer_at_every_decision():
+    """The stress setting of the live test: equal counts swap too (lowest ids on ties)."""
+    state = SwapState(2, 4, {0: [3], 1: [0, 1]})
+    policy = SwapPolicy(interval=1, half_life=1.0, margin=-1.0)
+    assert state.decide(policy) == [(0, 3, 0), (1, 0, 2)]
+    assert state.decide(policy) == [(0, 0, 1), (1, 1, 0)]
+    assert state.on_host.sum(axis=1).tolist() == [1, 2]
+
+
 def test_counts_decay_with_the_half_life():
     state = SwapState(1, 4, {0: [3]})
     state.observe(np.array([[0, 1]]))

@@ -54,7 +54,7 @@ def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
     }
     work = tmp_path / "work"
     r = subprocess.run(
-        [str(repo_root / "scripts/serve-local"), str(work)],
+        [str(repo_root / "scripts/serve-local"), str(work), "--attention-backend", "TRITON_ATTN"],
         env=env,
         capture_output=True,
         text=True,
@@ -68,6 +68,9 @@ def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
     assert args[0] == str(work / "tiny")  # compose's /models/tiny, where this host has it
     assert args[args.index("--served-model-name") + 1] == "tiny"
     assert args[args.index("--port") + 1] == str(port)
+    # this host's extra arguments come after the compose file's
+    assert args.index("--attention-backend") > args.index("--kv-cache-memory-bytes")
+    assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN"
     assert (work / "tiny-cold.json").is_file()
     with socket.socket() as s:  # the server was stopped
         assert s.connect_ex(("127.0.0.1", port)) != 0

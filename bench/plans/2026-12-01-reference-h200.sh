@@ -3,9 +3,14 @@
 # reference table, run in the background on the GPU host so that it can outlast one device
 # call. Started from a copy of the checkout after the offline bundle is installed:
 #
-#   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/<this> &
+#   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/<this> [models] &
+#
+# ("models": only make the test models, e.g. while the bundle is still being installed.)
 #
 # Results under R (default /tmp/eo-out); R/done when finished.
+# As run on 2026-12-01 (results: bench/results/2026-12-01-{reference-16l,offload-correctness-c,
+# serve-local-tiny}-h200.md) the host-read step lacked the patched copy on PYTHONPATH (fixed
+# below), both test steps were cut off at 640 s, and the device time ran out in the sweep.
 # Phase 1 shares the GPU (EO_GPU_MEMORY_UTILIZATION) between work whose timings are not
 # compared: GPU tests, the tiny service, and one short engine run that fills the compile
 # cache for the 16-layer model. Phase 2 runs alone: the host-read cost, then the table.
@@ -17,12 +22,20 @@ M=/tmp/eo-gpu/models
 T=tests/gpu/test_offload_correctness.py
 date -u +%FT%TZ > "$R/started"
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
-# the patched copy and the models once (the parallel steps would race to make them)
+# the models and the patched copy once (the parallel steps would race to make them)
+if [[ ${1:-} == models ]]; then  # phase 0 alone, started early (while the bundle installs)
+  touch "$R/p0.started"
+  scripts/gpu-suite --budget-s 200 --out "$R/p0-models" 'model:target-int4-8l:--layers 8' \
+    'model:target-int4-16l:--layers 16' 'model:target-bf16-2l:--layers 2 --quant bf16'
+  touch "$R/p0.done"
+  exit 0
+fi
+if [[ -f $R/p0.started ]]; then
+  while [[ ! -f $R/p0.done ]]; do sleep 2; done
+else
+  bash "$0" models
+fi
 scripts/test-gpu --collect-only -q tests/gpu/test_smoke.py > "$R/00-patch.log" 2>&1
-scripts/gpu-suite --budget-s 200 --out "$R/p0-models" 'model:target-int4-8l:--layers 8' \
-  'model:target-int4-16l:--layers 16' &
-scripts/gpu-suite --budget-s 200 --out "$R/p0-models-bf16" 'model:target-bf16-2l:--layers 2 --quant bf16' &
-wait
 date -u +%FT%TZ > "$R/phase1"
 export EO_GPU_MEMORY_UTILIZATION=0.2
 scripts/gpu-suite --budget-s 640 --out "$R/p1-onetable" \
@@ -38,7 +51,7 @@ wait
 unset EO_GPU_MEMORY_UTILIZATION
 date -u +%FT%TZ > "$R/phase2"
 mkdir -p "$R/p2"
-PYTHONPATH=scripts:/tmp/site timeout 120 python3 scripts/bench-host-read --out "$R/p2/host_read.json" \
+PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench-host-read --out "$R/p2/host_read.json" \
   > "$R/p2/host_read.log" 2>&1
 scripts/gpu-suite --budget-s 1000 --out "$R/p2" \
   "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03,offload-02,cpu-offload-gb,offload-01,offload-03-swap+hold --sweep 0.05,0.1,0.2,0.4 --decode-tokens 128 --repeats 3 --host-read-us 55.7 --out OUT/reference.json"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import hashlib
 import json
 import pathlib
@@ -263,8 +264,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             res = json.loads(found[-1].read_text())
             cfg = found[-1].with_name(found[-1].name.replace(".json", ".config.json"))
-            if cfg.exists():  # the model the engines really ran
-                ran_model = pathlib.Path(json.loads(cfg.read_text())["model"]).name
+            for c in (cfg, cfg.with_name(cfg.name + ".gz")):  # raw runs may be compressed
+                if c.exists():  # the model the engines really ran
+                    text = gzip.decompress(c.read_bytes()) if c.suffix == ".gz" else c.read_text()
+                    ran_model = pathlib.Path(json.loads(text)["model"]).name
+                    break
         else:
             try:
                 res = gh.run_engine(

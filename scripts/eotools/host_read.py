@@ -68,8 +68,14 @@ if triton is not None:
 
 def _vmm():
     """The series' VMM wrapper; imported late so that --help needs no vLLM."""
-    from vllm.model_executor.layers.fused_moe.expert_offload import vmm
-
+    try:
+        from vllm.model_executor.layers.fused_moe.expert_offload import vmm
+    except ImportError as e:
+        raise SystemExit(
+            f"error: bench-host-read needs vLLM with this project's series applied ({e}); "
+            "put the patched copy first on PYTHONPATH, e.g. "
+            "PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site (scripts/test-gpu makes it)"
+        ) from e
     return vmm
 
 

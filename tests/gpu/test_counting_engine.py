@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -56,9 +57,11 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.minimum(got, want).sum() / want.sum())
 
 
-def test_engine_counts_through_a_swapping_table_match_the_planted_picks(
-    int4_model, int4_cold_file, tmp_path
-):
+def test_engine_counts_through_a_swapping_table_match_the_planted_picks(int4_model, int4_cold_file):
+    # under EO_GPU_WORK, not pytest's tmp folder: gpu-suite packs it with the engine runs
+    tmp_path = gh.WORK / "runs" / "counting-engine"
+    shutil.rmtree(tmp_path, ignore_errors=True)
+    tmp_path.mkdir(parents=True)
     data = int4_model / "data" / "legal.heldout.jsonl"
     env = gh.engine_env(patched=True)
     env.update(

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The next GPU session's run (prepared 2026-12-01, not yet run): what the third session of
+# 2026-12-01 could not finish, in priority order, each phase alone on the GPU. Started as
+# bench/plans/2026-12-01-reference-h200.sh was (from a copy of the checkout, in the
+# background, "models" first while the bundle installs); results under R, R/done at the end.
+#
+#   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/next-h200.sh [models] &
+#
+# Expected: phase 1 about 12 min (first engine about 3 min, then about 45 s per engine, 13
+# engines); phase 2 whatever device time is left (about 110 s per 16-layer engine).
+set -u
+R=${R:-/tmp/eo-out}
+mkdir -p "$R"
+export EO_VLLM_SITE=/tmp/site PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+M=/tmp/eo-gpu/models
+T=tests/gpu/test_offload_correctness.py
+if [[ ${1:-} == models ]]; then
+  touch "$R/p0.started"
+  scripts/gpu-suite --budget-s 200 --out "$R/p0-models" 'model:target-int4-8l:--layers 8' \
+    'model:target-bf16-2l:--layers 2 --quant bf16' 'model:target-int4-16l:--layers 16'
+  touch "$R/p0.done"
+  exit 0
+fi
+if [[ -f $R/p0.started ]]; then
+  while [[ ! -f $R/p0.done ]]; do sleep 2; done
+else
+  bash "$0" models
+fi
+scripts/test-gpu --collect-only -q tests/gpu/test_smoke.py > "$R/00-patch.log" 2>&1
+# phase 1, alone: the GPU tests not yet passed, the cheapest and most telling first
+scripts/gpu-suite --budget-s 900 --out "$R/p1" \
+  'tests:tests/gpu/test_counting_engine.py -rA -s' \
+  "tests:$T::test_int4_one_table_matches_unpatched -rA -s" \
+  "tests:$T::test_bf16_split_experts_match_unpatched -rA -s" \
+  "tests:$T::test_int4_split_experts_match_unpatched $T::test_int4_host_layer_matches_unpatched $T::test_memory_moves_from_vram_to_host -rA -s"
+# phase 2, alone: the host-read cost, then issue 4's speed targets in interleaved rounds
+# (ratios within a round): 6 engines, about 11 min. The rest of the table (offload-02,
+# cpu-offload-gb, offload-01, the 20%/40% sweep) needs a session of its own.
+mkdir -p "$R/p2"
+PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench-host-read \
+  --out "$R/p2/host_read.json" > "$R/p2/host_read.log" 2>&1
+scripts/gpu-suite --budget-s 900 --out "$R/p2" \
+  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03 --rounds 2 --decode-tokens 256 --repeats 3 --host-read-us 55.7 --out OUT/reference.json"
+date -u +%FT%TZ > "$R/done"

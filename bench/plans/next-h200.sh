@@ -40,5 +40,5 @@ mkdir -p "$R/p2"
 PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench-host-read \
   --out "$R/p2/host_read.json" > "$R/p2/host_read.log" 2>&1
 scripts/gpu-suite --budget-s 900 --out "$R/p2" \
-  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03 --rounds 2 --decode-tokens 256 --repeats 3 --host-read-us 55.7 --out OUT/reference.json"
+  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03 --rounds 2 --decide-ab --decode-tokens 256 --repeats 3 --host-read-us 55.7 --out OUT/reference.json"
 date -u +%FT%TZ > "$R/done"

@@ -122,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )
+    ap.add_argument(
+        "--decide-ab",
+        action="store_true",
+        help="in every offload-03-swap engine (no variant), also time the decide kernel "
+        "alone: the fresh prompts once with decisions every interval that never swap and "
+        "once with no decisions, request by request in alternating order (robust to the "
+        "host changing speed during the run)",
+    )
     ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
     ap.add_argument(
         "--from-runs",
@@ -250,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         if "hold" in variant:
             # counts and decisions as by default, but no count can exceed this margin
             env["VLLM_EXPERT_SWAP_MARGIN"] = "1e30"
+        config_tasks = tasks
+        if args.decide_ab and name == "offload-03-swap" and not variant:
+            config_tasks = [*tasks, decide_ab_task(prompts, args.decode_tokens, args.repeats)]
         if args.from_runs:
             # bench-<slug>-<16 hex>.json exactly: offload-03's must not match offload-03-swap's
             pattern = re.compile(rf"{re.escape(label)}-[0-9a-f]{{16}}\.json")
@@ -273,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 res = gh.run_engine(
                     label,
-                    {"model": str(args.model), "env": env, "engine": engine, "tasks": tasks},
+                    {
+                        "model": str(args.model),
+                        "env": env,
+                        "engine": engine,
+                        "tasks": config_tasks,
+                    },
                     patched,
                     tree=tree,
                 )
@@ -342,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         # the hosts the engines ran on (CPU, driver, PCIe link, clocks), where recorded
         "machines": machines,
         "runs": runs,
+        # the decide kernel alone, inside one engine (--decide-ab): TPOT ratio per pair
+        "decide_ab": {
+            f"{spec} (round {rnd})": res["tasks"]["decide_ab"]
+            for (spec, rnd), res in results.items()
+            if "decide_ab" in res["tasks"]
+        },
         "not_run": not_run,
         "failed": failed,
     }
@@ -360,6 +382,20 @@ def main(argv: list[str] | None = None) -> int:
         gh.log("no plot: matplotlib is not installed")
     gh.log(f"wrote {args.out} and its .md table (and .png plot)")
     return 0
+
+
+def decide_ab_task(prompts: list, decode_tokens: int, repeats: int) -> dict:
+    """engine_probe's decode_ab: decisions every interval with a margin no count reaches
+    (decide and swap kernels run, nothing moves) against no decisions at all."""
+    return {
+        "kind": "decode_ab",
+        "name": "decide_ab",
+        "prompts": prompts,
+        "max_tokens": decode_tokens,
+        "warmup": 1,
+        "repeats": repeats,
+        "variants": {"decide": {"margin": 1e30}, "no-decide": {"interval": 10**9}},
+    }
 
 
 def merge_rounds(rows: list[dict]) -> dict:
@@ -556,6 +592,17 @@ def markdown(doc: dict) -> str:
         "reads per token come from the planted routing of the decoded tokens, or, with "
         "runtime swap, from its counters.",
     ]
+    for label, ab in doc.get("decide_ab", {}).items():
+        lo, hi = ab["pair_ratio_range"]
+        p50 = ab["tpot_ms_p50"]
+        lines += [
+            "",
+            f"Decide kernel alone, {label}: TPOT {ab['ratio']} = {ab['pair_ratio_p50']:.3f} "
+            f"(median of {len(ab['pair_ratios'])} request pairs in one engine, alternating "
+            f"order; range {lo:.3f}-{hi:.3f}); TPOT p50 "
+            + ", ".join(f"{n} {v:.3f} ms" for n, v in p50.items())
+            + ".",
+        ]
     for spec, err in doc.get("failed", {}).items():
         lines += ["", f"FAILED: {spec}: `{err.strip().splitlines()[0] if err.strip() else ''}`"]
     if doc.get("not_run"):

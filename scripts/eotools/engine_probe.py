@@ -9,7 +9,7 @@ engine starts clean. The engine core runs in this process (VLLM_ENABLE_V1_MULTIP
 so the probe can also look at the loaded model: where its expert bytes live, and VRAM use.
 
 CONFIG: {"model": path, "env": {...}, "engine": {LLM keyword arguments},
-         "tasks": [{"kind": "greedy" | "decode_timing" | "ttft", ...}, ...]}
+         "tasks": [{"kind": "greedy" | "decode_timing" | "ttft" | "decode_ab", ...}, ...]}
 """
 
 from __future__ import annotations
@@ -185,7 +185,84 @@ def _ttft(llm, task: dict) -> dict:
     return {"ttft_ms": times, "prompt_tokens": len(task["prompt"])}
 
 
-TASKS = {"greedy": _greedy, "decode_timing": _decode_timing, "ttft": _ttft}
+def _set_swap(overrides: dict[str, Any] | None):
+    """A function for `llm.apply_model` that sets the runtime swap's settings to its
+    start-up settings with `overrides` (None: the start-up settings), and returns whether
+    there is a runtime swap. The decision schedule is read on the host at every step, so
+    this takes effect at the next step; what the CUDA graphs count does not change."""
+
+    def apply(model) -> bool:
+        import dataclasses
+
+        from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
+
+        runtime = swap_runtime.get_runtime()
+        if runtime is None:
+            return False
+        base = getattr(runtime, "_probe_base_settings", None) or runtime.settings
+        runtime._probe_base_settings = base
+        runtime.settings = dataclasses.replace(base, **(overrides or {}))
+        return True
+
+    return apply
+
+
+def _decode_ab(llm, task: dict) -> dict:
+    """Two settings of the runtime swap in one engine, request by request: for every prompt
+    and repeat, one request under each variant, the order alternating, so that a change of
+    the host's speed over the run (seen on H200 hosts: 20% steps) hits both alike. Reports
+    every request's TPOT and the per-pair ratio (second variant over first)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(
+        temperature=0.0, max_tokens=task["max_tokens"], ignore_eos=True, detokenize=False
+    )
+    variants: dict[str, dict[str, Any]] = task["variants"]  # name -> SwapSettings fields
+    names = list(variants)
+    if len(names) != 2:
+        raise ValueError(f"decode_ab needs two variants, not {names}")
+    tpot: dict[str, list[float]] = {n: [] for n in names}
+    ratios = []
+    for rep in range(task.get("warmup", 1) + task.get("repeats", 3)):
+        for pi, prompt in enumerate(task["prompts"]):
+            order = names if (rep + pi) % 2 == 0 else names[::-1]
+            pair = {}
+            for name in order:
+                if not llm.apply_model(_set_swap(variants[name]))[0]:
+                    raise RuntimeError("decode_ab: this engine runs no runtime swap")
+                rid = f"ab{rep}-{pi}-{name}"
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+                stamps, seen = [], 0
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        n = len(out.outputs[0].token_ids)
+                        stamps += [time.perf_counter()] * (n - seen)
+                        seen = n
+                pair[name] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+            if rep < task.get("warmup", 1):
+                continue
+            for name in names:
+                tpot[name].append(pair[name])
+            ratios.append(pair[names[1]] / pair[names[0]])
+    llm.apply_model(_set_swap(None))
+    return {
+        "variants": variants,
+        "tpot_ms": tpot,
+        "tpot_ms_p50": {n: statistics.median(v) for n, v in tpot.items()},
+        "ratio": f"{names[1]} / {names[0]}",
+        "pair_ratios": ratios,
+        "pair_ratio_p50": statistics.median(ratios),
+        "pair_ratio_range": [min(ratios), max(ratios)],
+    }
+
+
+TASKS = {
+    "greedy": _greedy,
+    "decode_timing": _decode_timing,
+    "ttft": _ttft,
+    "decode_ab": _decode_ab,
+}
 
 
 def machine() -> dict[str, Any]:

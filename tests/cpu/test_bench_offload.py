@@ -227,3 +227,25 @@ def test_engine_runs_record_their_machine(monkeypatch):
 
     monkeypatch.setattr(sp, "run", missing)
     assert machine()["gpu"] is None
+
+
+def test_decide_ab_task_and_its_report_line(report):
+    """--decide-ab: decisions that never swap against none, and the report's line for it."""
+    from eotools.bench_offload import decide_ab_task, markdown
+
+    task = decide_ab_task([[1, 2]], 64, 3)
+    assert task["kind"] == "decode_ab" and task["name"] == "decide_ab"
+    assert task["variants"] == {"decide": {"margin": 1e30}, "no-decide": {"interval": 10**9}}
+    doc, _ = report
+    ab = {
+        "ratio": "no-decide / decide",
+        "pair_ratios": [0.99, 1.01, 1.0],
+        "pair_ratio_p50": 1.0,
+        "pair_ratio_range": [0.99, 1.01],
+        "tpot_ms_p50": {"decide": 1.2, "no-decide": 1.2},
+    }
+    md = markdown({**doc, "decide_ab": {"offload-03-swap (round 1)": ab}})
+    assert (
+        "Decide kernel alone, offload-03-swap (round 1): TPOT no-decide / decide = 1.000 "
+        "(median of 3 request pairs" in md
+    )

@@ -15,27 +15,11 @@
 # compared: GPU tests, the tiny service, and one short engine run that fills the compile
 # cache for the 16-layer model. Phase 2 runs alone: the host-read cost, then the table.
 set -u
-R=${R:-/tmp/eo-out}
-mkdir -p "$R"
-export EO_VLLM_SITE=/tmp/site PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-M=/tmp/eo-gpu/models
-T=tests/gpu/test_offload_correctness.py
+# shellcheck source=bench/plans/common.sh
+source "$(dirname "$0")/common.sh"
 date -u +%FT%TZ > "$R/started"
 nvidia-smi > "$R/nvidia-smi.txt" 2>&1
-# the models and the patched copy once (the parallel steps would race to make them)
-if [[ ${1:-} == models ]]; then  # phase 0 alone, started early (while the bundle installs)
-  touch "$R/p0.started"
-  scripts/gpu-suite --budget-s 200 --out "$R/p0-models" 'model:target-int4-8l:--layers 8' \
-    'model:target-int4-16l:--layers 16' 'model:target-bf16-2l:--layers 2 --quant bf16'
-  touch "$R/p0.done"
-  exit 0
-fi
-if [[ -f $R/p0.started ]]; then
-  while [[ ! -f $R/p0.done ]]; do sleep 2; done
-else
-  bash "$0" models
-fi
-scripts/test-gpu --collect-only -q tests/gpu/test_smoke.py > "$R/00-patch.log" 2>&1
+plan_models "${1:-}" "$0"
 date -u +%FT%TZ > "$R/phase1"
 export EO_GPU_MEMORY_UTILIZATION=0.2
 scripts/gpu-suite --budget-s 640 --out "$R/p1-onetable" \

@@ -9,24 +9,9 @@
 # Expected: phase 1 about 12 min (first engine about 3 min, then about 45 s per engine, 13
 # engines); phase 2 whatever device time is left (about 110 s per 16-layer engine).
 set -u
-R=${R:-/tmp/eo-out}
-mkdir -p "$R"
-export EO_VLLM_SITE=/tmp/site PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-M=/tmp/eo-gpu/models
-T=tests/gpu/test_offload_correctness.py
-if [[ ${1:-} == models ]]; then
-  touch "$R/p0.started"
-  scripts/gpu-suite --budget-s 200 --out "$R/p0-models" 'model:target-int4-8l:--layers 8' \
-    'model:target-bf16-2l:--layers 2 --quant bf16' 'model:target-int4-16l:--layers 16'
-  touch "$R/p0.done"
-  exit 0
-fi
-if [[ -f $R/p0.started ]]; then
-  while [[ ! -f $R/p0.done ]]; do sleep 2; done
-else
-  bash "$0" models
-fi
-scripts/test-gpu --collect-only -q tests/gpu/test_smoke.py > "$R/00-patch.log" 2>&1
+# shellcheck source=bench/plans/common.sh
+source "$(dirname "$0")/common.sh"
+plan_models "${1:-}" "$0"
 # phase 1, alone: the GPU tests not yet passed, the cheapest and most telling first
 scripts/gpu-suite --budget-s 900 --out "$R/p1" \
   'tests:tests/gpu/test_counting_engine.py -rA -s' \

@@ -18,12 +18,13 @@ scripts/gpu-suite --budget-s 900 --out "$R/p1" \
   "tests:$T::test_int4_one_table_matches_unpatched -rA -s" \
   "tests:$T::test_bf16_split_experts_match_unpatched -rA -s" \
   "tests:$T::test_int4_split_experts_match_unpatched $T::test_int4_host_layer_matches_unpatched $T::test_memory_moves_from_vram_to_host -rA -s"
-# phase 2, alone: the host-read cost, then issue 4's speed targets in interleaved rounds
-# (ratios within a round): 6 engines, about 11 min. The rest of the table (offload-02,
-# cpu-offload-gb, offload-01, the 20%/40% sweep) needs a session of its own.
+# phase 2, alone: the host-read cost, then issues 3 and 4's speed targets, each
+# configuration beside an unpatched engine of its own, the two taking turns request by
+# request (--paired; ratios within the pair): 3 pairs, about 10 min. The rest of the table
+# (cpu-offload-gb, offload-01, the 20%/40% sweep) needs a session of its own.
 mkdir -p "$R/p2"
 PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench-host-read \
   --out "$R/p2/host_read.json" > "$R/p2/host_read.log" 2>&1
 scripts/gpu-suite --budget-s 900 --out "$R/p2" \
-  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03 --rounds 2 --decide-ab --decode-tokens 256 --repeats 3 --host-read-us 55.7 --out OUT/reference.json"
+  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03,offload-02 --paired --decide-ab --decode-tokens 256 --repeats 3 --host-read-us 55.7 --out OUT/reference.json"
 date -u +%FT%TZ > "$R/done"

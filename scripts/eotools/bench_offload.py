@@ -26,6 +26,7 @@ import datetime
 import gzip
 import hashlib
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -123,6 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         "configuration that fails is reported as failed and the others still run",
     )
     ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="run every configuration side by side with an unpatched engine of its own on "
+        "the same GPU, the two taking turns request by request, and take its ratios "
+        "against that engine: a change of the host's speed during the run (20%% steps seen "
+        "on H200 hosts) then hits both alike. Needs GPU memory for two engines "
+        "(EO_GPU_MEMORY_UTILIZATION, default here 0.35)",
+    )
+    ap.add_argument(
         "--decide-ab",
         action="store_true",
         help="in every offload-03-swap engine (no variant), also time the decide kernel "
@@ -140,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ran-as", help="with --from-runs: the command that made the engine runs")
     ap.add_argument("--ran-at", help="with --from-runs: when the engine runs were made")
     args = ap.parse_args(argv)
+    if args.paired and not args.from_runs:
+        os.environ.setdefault("EO_GPU_MEMORY_UTILIZATION", "0.35")  # two engines per GPU
 
     plan = load_plan(args.model)
     cold_files: dict[int, tuple[pathlib.Path, dict[int, set[int]]]] = {}
@@ -221,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ]
     for rnd, spec in order:
         name, variant, tree, per_layer = parse_spec(spec)
+        if args.paired and name == "unpatched":
+            continue  # each configuration runs beside an unpatched engine of its own
         per_layer = per_layer or args.host_experts_per_layer
         label = f"bench-{spec_slug(spec)}" + (f"-r{rnd}" if rnd > 1 else "")
         env, engine, patched, placed = {}, gh.engine(), True, {}
@@ -261,43 +275,42 @@ def main(argv: list[str] | None = None) -> int:
         config_tasks = tasks
         if args.decide_ab and name == "offload-03-swap" and not variant:
             config_tasks = [*tasks, decide_ab_task(prompts, args.decode_tokens, args.repeats)]
+        base_label = f"bench-unpatched-for-{spec_slug(spec)}" + (f"-r{rnd}" if rnd > 1 else "")
+        base_res = None
         if args.from_runs:
-            # bench-<slug>-<16 hex>.json exactly: offload-03's must not match offload-03-swap's
-            pattern = re.compile(rf"{re.escape(label)}-[0-9a-f]{{16}}\.json")
-            found = [f for f in sorted(args.from_runs.iterdir()) if pattern.fullmatch(f.name)]
-            if len(found) > 1:
-                raise SystemExit(
-                    f"{args.from_runs} holds {len(found)} engine runs of {label}: keep "
-                    "the one of this suite run only"
-                )
-            if not found:
+            res = _from_runs(args.from_runs, label)
+            if res is not None and args.paired:
+                base_res = _from_runs(args.from_runs, base_label)
+            if res is None or (args.paired and base_res is None):
                 not_run.append(label.removeprefix("bench-"))
                 continue
-            res = json.loads(found[-1].read_text())
-            cfg = found[-1].with_name(found[-1].name.replace(".json", ".config.json"))
-            for c in (cfg, cfg.with_name(cfg.name + ".gz")):  # raw runs may be compressed
-                if c.exists():  # the model the engines really ran
-                    text = gzip.decompress(c.read_bytes()) if c.suffix == ".gz" else c.read_text()
-                    ran_model = pathlib.Path(json.loads(text)["model"]).name
-                    break
+            ran_model = res.pop("ran_model", None) or ran_model
         else:
+            run_config = {
+                "model": str(args.model),
+                "env": env,
+                "engine": engine,
+                "tasks": config_tasks,
+            }
             try:
-                res = gh.run_engine(
-                    label,
-                    {
-                        "model": str(args.model),
-                        "env": env,
-                        "engine": engine,
-                        "tasks": config_tasks,
-                    },
-                    patched,
-                    tree=tree,
-                )
+                if args.paired:
+                    # the unpatched engine beside this one, taking turns request by request
+                    base_config = {**run_config, "env": {}, "engine": gh.engine(), "tasks": tasks}
+                    base_res, res = gh.run_engine_pair(
+                        (base_label, base_config, False), (label, run_config, patched), tree=tree
+                    )
+                else:
+                    res = gh.run_engine(label, run_config, patched, tree=tree)
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 # one configuration failing must not lose the others of the run
                 gh.log(f"configuration {spec} (round {rnd}) FAILED: {e}")
                 failed[label.removeprefix("bench-")] = str(e)[-2000:]
                 continue
+        if base_res is not None:
+            base_res["spec"] = dict(config="unpatched", variant="", tree=None, per_layer=None)
+            base_res["host_reads_per_token"] = {w: 0.0 for w in ("fresh", "repeat")}
+            res["paired_base"] = base_res
+            results.setdefault(("unpatched", rnd), base_res)
         mem = res["memory"]
         if name.startswith("offload-0") and name != "offload-01":
             host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
@@ -331,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = results.get((spec, rnd))
                 if res is None or workload not in res["tasks"]:
                     continue
-                base = results.get(("unpatched", rnd))  # ratios within a round
+                # ratios against the paired unpatched engine, else within the round
+                base = res.get("paired_base") or results.get(("unpatched", rnd))
                 row = _run_row(res["spec"]["config"], workload, res, base, args.host_read_us)
                 if spec != res["spec"]["config"]:
                     row["variant"] = spec
@@ -382,6 +396,29 @@ def main(argv: list[str] | None = None) -> int:
         gh.log("no plot: matplotlib is not installed")
     gh.log(f"wrote {args.out} and its .md table (and .png plot)")
     return 0
+
+
+def _from_runs(folder: pathlib.Path, label: str) -> dict | None:
+    """The engine run `label` of a suite run in `folder` (None: not there), with the model it
+    really ran as "ran_model" where its config says. Raw runs may be gzip-compressed."""
+    # bench-<slug>-<16 hex>.json exactly: offload-03's must not match offload-03-swap's
+    pattern = re.compile(rf"{re.escape(label)}-[0-9a-f]{{16}}\.json")
+    found = [f for f in sorted(folder.iterdir()) if pattern.fullmatch(f.name)]
+    if len(found) > 1:
+        raise SystemExit(
+            f"{folder} holds {len(found)} engine runs of {label}: keep the one of this "
+            "suite run only"
+        )
+    if not found:
+        return None
+    res = json.loads(found[0].read_text())
+    cfg = found[0].with_name(found[0].name.replace(".json", ".config.json"))
+    for c in (cfg, cfg.with_name(cfg.name + ".gz")):
+        if c.exists():
+            text = gzip.decompress(c.read_bytes()) if c.suffix == ".gz" else c.read_text()
+            res["ran_model"] = pathlib.Path(json.loads(text)["model"]).name
+            break
+    return res
 
 
 def decide_ab_task(prompts: list, decode_tokens: int, repeats: int) -> dict:

@@ -14,6 +14,7 @@ CONFIG: {"model": path, "env": {...}, "engine": {LLM keyword arguments},
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -22,6 +23,71 @@ import time
 from typing import Any
 
 GiB = 1 << 30
+
+
+class Baton:
+    """Turns on the GPU with a partner engine process (bench-offload --paired): an unpatched
+    and an offload engine side by side, each timing its requests only while the other waits,
+    so that a change of the host's speed during the run hits both alike.
+
+    EO_BATON="leader|follower:READ_FD:WRITE_FD", two pipes between the processes. The
+    follower hands the leader the first turn once it has started; then each process takes a
+    turn (reads a byte), runs one request or untimed task, and gives the turn back (writes
+    a byte). A partner that has finished or died closes its pipe: from then on this process
+    runs alone."""
+
+    def __init__(self, spec: str | None) -> None:
+        self.active = bool(spec)
+        self.leader = True
+        self.rfd = self.wfd = -1
+        if spec:
+            role, rfd, wfd = spec.split(":")
+            if role not in ("leader", "follower"):
+                raise ValueError(f"EO_BATON={spec!r}: leader or follower")
+            self.leader, self.rfd, self.wfd = role == "leader", int(rfd), int(wfd)
+        self.waited_s = 0.0  # time spent waiting for turns (the partner's work)
+
+    def ready(self) -> None:
+        """After start-up: the follower gives the leader the first turn."""
+        if self.active and not self.leader:
+            self.give()
+
+    def take(self) -> None:
+        if self.rfd < 0:
+            return
+        t = time.perf_counter()
+        if os.read(self.rfd, 1) == b"":  # the partner is gone
+            os.close(self.rfd)
+            self.rfd = -1
+        self.waited_s += time.perf_counter() - t
+
+    def give(self) -> None:
+        if self.wfd < 0:
+            return
+        try:
+            os.write(self.wfd, b"t")
+        except BrokenPipeError:
+            os.close(self.wfd)
+            self.wfd = -1
+
+    def close(self) -> None:
+        for fd in (self.rfd, self.wfd):
+            if fd >= 0:
+                os.close(fd)
+        self.rfd = self.wfd = -1
+
+    @contextlib.contextmanager
+    def turn(self):
+        self.take()
+        try:
+            yield
+        finally:
+            self.give()
+
+
+BATON = Baton(None)  # run() sets it from EO_BATON
+# task kinds that take a turn per request themselves; others take one turn per task
+_PER_REQUEST = ("decode_timing", "decode_ab")
 
 
 def _vm_hwm_bytes() -> int:
@@ -122,15 +188,16 @@ def _decode_timing(llm, task: dict) -> dict:
     for rep in range(task.get("warmup", 1) + task.get("repeats", 3)):
         for pi, prompt in enumerate(task["prompts"]):
             rid = f"t{rep}-{pi}"
-            t0 = time.perf_counter()
-            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-            stamps, seen = [], 0
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    n = len(out.outputs[0].token_ids)
-                    now = time.perf_counter()
-                    stamps += [now] * (n - seen)
-                    seen = n
+            with BATON.turn():
+                t0 = time.perf_counter()
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+                stamps, seen = [], 0
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        n = len(out.outputs[0].token_ids)
+                        now = time.perf_counter()
+                        stamps += [now] * (n - seen)
+                        seen = n
             decoded_all += max(0, len(stamps) - 1)
             if rep < task.get("warmup", 1):
                 continue
@@ -232,13 +299,14 @@ def _decode_ab(llm, task: dict) -> dict:
                 if not llm.apply_model(_set_swap(variants[name]))[0]:
                     raise RuntimeError("decode_ab: this engine runs no runtime swap")
                 rid = f"ab{rep}-{pi}-{name}"
-                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-                stamps, seen = [], 0
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        n = len(out.outputs[0].token_ids)
-                        stamps += [time.perf_counter()] * (n - seen)
-                        seen = n
+                with BATON.turn():
+                    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+                    stamps, seen = [], 0
+                    while engine.has_unfinished_requests():
+                        for out in engine.step():
+                            n = len(out.outputs[0].token_ids)
+                            stamps += [time.perf_counter()] * (n - seen)
+                            seen = n
                 pair[name] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
             if rep < task.get("warmup", 1):
                 continue
@@ -297,6 +365,8 @@ def machine() -> dict[str, Any]:
 
 
 def run(config: dict) -> dict:
+    global BATON
+    BATON = Baton(os.environ.get("EO_BATON"))
     os.environ.update({k: str(v) for k, v in config.get("env", {}).items()})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import torch
@@ -316,10 +386,13 @@ def run(config: dict) -> dict:
         "device_used_bytes": total - free,
         "host_peak_rss_bytes_after_load": _vm_hwm_bytes(),
     }
+    BATON.ready()
     for task in config.get("tasks", []):
         t = time.perf_counter()
         before = llm.apply_model(_swap_counters)[0]
-        result["tasks"][task["name"]] = TASKS[task["kind"]](llm, task)
+        whole = contextlib.nullcontext() if task["kind"] in _PER_REQUEST else BATON.turn()
+        with whole:
+            result["tasks"][task["name"]] = TASKS[task["kind"]](llm, task)
         result["tasks"][task["name"]]["wall_s"] = time.perf_counter() - t
         after = llm.apply_model(_swap_counters)[0]
         if after is not None:  # the runtime swap's counters over this task (offload-03)
@@ -329,6 +402,9 @@ def run(config: dict) -> dict:
             }
     result["memory"]["host_peak_rss_bytes"] = _vm_hwm_bytes()
     result["swap"] = llm.apply_model(_swap_counters)[0]
+    if BATON.active:
+        result["baton_waited_s"] = BATON.waited_s
+    BATON.close()  # the partner runs alone from here
     return result
 
 

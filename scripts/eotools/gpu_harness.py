@@ -123,6 +123,82 @@ def run_engine(
     return result
 
 
+def run_engine_pair(
+    leader: tuple[str, dict, bool],
+    follower: tuple[str, dict, bool],
+    timeout: float = 1800,
+    tree: str | None = None,
+    probe: list[str] | None = None,
+) -> tuple[dict, dict]:
+    """Two engine configurations (name, config, patched) side by side on one GPU, taking
+    turns request by request (engine_probe.Baton): paired timings that a change of the
+    host's speed during the run cannot tilt. Cached like run_engine; the cache key says
+    that the run was paired and with what. The engines share the GPU's memory, so
+    EO_GPU_MEMORY_UTILIZATION (or each config's engine settings) must leave room for both.
+    `probe`: the command that runs one configuration (tests; default engine_probe)."""
+    probe = probe or [sys.executable, "-m", "eotools.engine_probe"]
+    runs = []
+    for (name, config, patched), (partner, _, _) in ((leader, follower), (follower, leader)):
+        config = {"name": name, **config, "patched": patched, "paired_with": partner}
+        if patched:
+            config["series"] = series_stamp(patched_tree(tree))
+        key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+        runs.append((name, config, patched, key))
+    out_dir = WORK / "runs"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [(out_dir / f"{n}-{k}.json", out_dir / f"{n}-{k}.log") for n, _, _, k in runs]
+    if all(f.exists() for f, _ in files):
+        return tuple(  # type: ignore[return-value]
+            {**json.loads(f.read_text()), "log_file": str(lf)} for f, lf in files
+        )
+    to_follower, to_leader = os.pipe(), os.pipe()  # (read, write) each
+    batons = [
+        f"leader:{to_leader[0]}:{to_follower[1]}",
+        f"follower:{to_follower[0]}:{to_leader[1]}",
+    ]
+    procs, logs = [], []
+    t0 = time.time()
+    try:
+        for (name, config, patched, key), (result_file, log_file), baton in zip(
+            runs, files, batons, strict=True
+        ):
+            cfg_file = out_dir / f"{name}-{key}.config.json"
+            cfg_file.write_text(json.dumps(config))
+            kind = "patched" if patched else "unpatched"
+            log(f"engine run {name} ({kind}, paired) -> {log_file}")
+            lf = open(log_file, "w")  # noqa: SIM115 (closed below)
+            logs.append(lf)
+            procs.append(
+                subprocess.Popen(
+                    [*probe, str(cfg_file), str(result_file)],
+                    env={**engine_env(patched, tree), "EO_BATON": baton},
+                    stdout=lf,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=[int(x) for x in baton.split(":")[1:]],
+                )
+            )
+    finally:
+        for fd in (*to_follower, *to_leader):  # the children hold their own ends
+            os.close(fd)
+    try:
+        codes = [p.wait(timeout=max(1.0, timeout - (time.time() - t0))) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise
+    finally:
+        for lf in logs:
+            lf.close()
+    for (name, *_), code, (_, log_file) in zip(runs, codes, files, strict=True):
+        if code != 0:
+            tail = log_file.read_text()[-3000:]
+            raise RuntimeError(f"engine run {name} (paired) failed (exit {code}):\n{tail}")
+    log(f"engine runs {runs[0][0]} and {runs[1][0]} (paired) done in {time.time() - t0:.0f} s")
+    return tuple(  # type: ignore[return-value]
+        {**json.loads(f.read_text()), "log_file": str(lf)} for f, lf in files
+    )
+
+
 def engine(**overrides) -> dict:
     """BASE_ENGINE with `overrides`. EO_GPU_MEMORY_UTILIZATION sets vLLM's start-up check of
     free GPU memory (the KV cache size is fixed anyway), so that engines whose timings do

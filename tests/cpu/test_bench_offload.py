@@ -249,3 +249,33 @@ def test_decide_ab_task_and_its_report_line(report):
         "Decide kernel alone, offload-03-swap (round 1): TPOT no-decide / decide = 1.000 "
         "(median of 3 request pairs" in md
     )
+
+
+def test_paired_runs_take_their_ratio_from_their_own_unpatched_engine(repo_root, tmp_path):
+    """--paired: each configuration's ratio is against the unpatched engine that ran beside
+    it (bench-unpatched-for-<config>), which also gives the unpatched row."""
+    raw = repo_root / RAW
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    [base] = [f for f in raw.glob("bench-unpatched-*.json") if "config" not in f.name]
+    [off] = [f for f in raw.glob("bench-offload-02-*.json") if "config" not in f.name]
+    (runs / "bench-unpatched-for-offload-02-0123456789abcdef.json").write_text(base.read_text())
+    (runs / "bench-offload-02-fedcba9876543210.json").write_text(off.read_text())
+    model = tmp_path / "target-int4-8l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
+    out = tmp_path / "paired.json"
+    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
+    cmd += ["--from-runs", str(runs), "--paired", "--configs", "unpatched,offload-02"]
+    cmd += ["--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {x["config"]: x for x in json.loads(out.read_text())["runs"]}
+    assert set(rows) == {"unpatched", "offload-02"}
+    assert rows["unpatched"]["decode_vs_unpatched"] == 1.0
+    assert rows["offload-02"]["decode_vs_unpatched"] == pytest.approx(432.3 / 650.8, abs=1e-3)
+
+    # a configuration whose unpatched partner is missing is listed as not run
+    (runs / "bench-unpatched-for-offload-02-0123456789abcdef.json").unlink()
+    subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
+    assert json.loads(out.read_text())["not_run"] == ["offload-02"]

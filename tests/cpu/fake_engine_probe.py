@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Stands in for eotools.engine_probe in tests/cpu/test_paired_engines.py: starts (sleeps),
+then runs CONFIG["requests"] "requests" of 20 ms, each in a turn of engine_probe.Baton, and
+writes when each ran.   python3 fake_engine_probe.py CONFIG.json RESULT.json"""
+
+import json
+import os
+import sys
+import time
+
+from eotools.engine_probe import Baton
+
+with open(sys.argv[1]) as f:
+    config = json.load(f)
+baton = Baton(os.environ.get("EO_BATON"))
+time.sleep(config["startup_s"])
+started = time.time()
+baton.ready()
+spans = []
+for _ in range(config["requests"]):
+    with baton.turn():
+        t0 = time.time()
+        time.sleep(0.02)
+        spans.append((t0, time.time()))
+baton.close()
+with open(sys.argv[2], "w") as f:
+    json.dump({"started": started, "spans": spans, "waited_s": baton.waited_s}, f)

@@ -6,14 +6,15 @@
 #
 #   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/next-h200.sh [models] &
 #
-# Expected: phase 1 about 12 min (first engine about 3 min, then about 45 s per engine, 13
+# Expected (30 min of device time, about 3 for start-up and installs): phase 1 at most 12 min
+# (first engine about 3 min, then about 45 s per engine, 13
 # engines); phase 2 whatever device time is left (about 110 s per 16-layer engine).
 set -u
 # shellcheck source=bench/plans/common.sh
 source "$(dirname "$0")/common.sh"
 plan_models "${1:-}" "$0"
 # phase 1, alone: the GPU tests not yet passed, the cheapest and most telling first
-scripts/gpu-suite --budget-s 900 --out "$R/p1" \
+scripts/gpu-suite --budget-s 720 --out "$R/p1" \
   'tests:tests/gpu/test_counting_engine.py -rA -s' \
   "tests:$T::test_int4_one_table_matches_unpatched -rA -s" \
   "tests:$T::test_bf16_split_experts_match_unpatched -rA -s" \
@@ -25,6 +26,6 @@ scripts/gpu-suite --budget-s 900 --out "$R/p1" \
 mkdir -p "$R/p2"
 PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench-host-read \
   --out "$R/p2/host_read.json" > "$R/p2/host_read.log" 2>&1
-scripts/gpu-suite --budget-s 900 --out "$R/p2" \
+scripts/gpu-suite --budget-s 600 --out "$R/p2" \
   "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03,offload-02 --paired --decide-ab --decode-tokens 256 --repeats 3 --host-read-us 55.7 --out OUT/reference.json"
 date -u +%FT%TZ > "$R/done"

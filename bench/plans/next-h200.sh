@@ -6,9 +6,9 @@
 #
 #   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/next-h200.sh [models] &
 #
-# Expected (30 min of device time, about 3 for start-up and installs): phase 1 at most 12 min
-# (first engine about 3 min, then about 45 s per engine, 13
-# engines); phase 2 whatever device time is left (about 110 s per 16-layer engine).
+# Expected (30 min of device time, about 3 of them for start-up and installs): phase 1 at
+# most 12 min (first engine about 3 min, then about 45 s per engine, 13 engines); phase 2 at
+# most 10 min (a pair of 16-layer engines about 3 min).
 set -u
 # shellcheck source=bench/plans/common.sh
 source "$(dirname "$0")/common.sh"

@@ -174,30 +174,37 @@ def _greedy(llm, task: dict) -> dict:
     return {"outputs": results}
 
 
+def _stream_params(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+
+def _timed_request(engine, rid: str, prompt: list[int], params) -> tuple[float, list[float]]:
+    """One request alone, in a turn of the baton, by stepping the engine: when it was added
+    and when each of its tokens came out."""
+    with BATON.turn():
+        t0 = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        stamps: list[float] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                n = len(out.outputs[0].token_ids)
+                stamps += [time.perf_counter()] * (n - len(stamps))
+    return t0, stamps
+
+
 def _decode_timing(llm, task: dict) -> dict:
     """Per-token timestamps of one stream at a time, by stepping the engine (SPEC section 7:
     TTFT = t1 - t0, TPOT = (tN - t1) / (N - 1), decode speed = (N - 1) / (tN - t1))."""
-    from vllm import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(
-        temperature=0.0, max_tokens=task["max_tokens"], ignore_eos=True, detokenize=False
-    )
+    params = _stream_params(task["max_tokens"])
     runs = []
     decoded_all = 0  # tokens after each request's first, warm-up included (swap counters)
     for rep in range(task.get("warmup", 1) + task.get("repeats", 3)):
         for pi, prompt in enumerate(task["prompts"]):
-            rid = f"t{rep}-{pi}"
-            with BATON.turn():
-                t0 = time.perf_counter()
-                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-                stamps, seen = [], 0
-                while engine.has_unfinished_requests():
-                    for out in engine.step():
-                        n = len(out.outputs[0].token_ids)
-                        now = time.perf_counter()
-                        stamps += [now] * (n - seen)
-                        seen = n
+            t0, stamps = _timed_request(engine, f"t{rep}-{pi}", prompt, params)
             decoded_all += max(0, len(stamps) - 1)
             if rep < task.get("warmup", 1):
                 continue
@@ -279,12 +286,9 @@ def _decode_ab(llm, task: dict) -> dict:
     and repeat, one request under each variant, the order alternating, so that a change of
     the host's speed over the run (seen on H200 hosts: 20% steps) hits both alike. Reports
     every request's TPOT and the per-pair ratio (second variant over first)."""
-    from vllm import SamplingParams
 
     engine = llm.llm_engine
-    params = SamplingParams(
-        temperature=0.0, max_tokens=task["max_tokens"], ignore_eos=True, detokenize=False
-    )
+    params = _stream_params(task["max_tokens"])
     variants: dict[str, dict[str, Any]] = task["variants"]  # name -> SwapSettings fields
     names = list(variants)
     if len(names) != 2:
@@ -298,15 +302,7 @@ def _decode_ab(llm, task: dict) -> dict:
             for name in order:
                 if not llm.apply_model(_set_swap(variants[name]))[0]:
                     raise RuntimeError("decode_ab: this engine runs no runtime swap")
-                rid = f"ab{rep}-{pi}-{name}"
-                with BATON.turn():
-                    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-                    stamps, seen = [], 0
-                    while engine.has_unfinished_requests():
-                        for out in engine.step():
-                            n = len(out.outputs[0].token_ids)
-                            stamps += [time.perf_counter()] * (n - seen)
-                            seen = n
+                _, stamps = _timed_request(engine, f"ab{rep}-{pi}-{name}", prompt, params)
                 pair[name] = (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
             if rep < task.get("warmup", 1):
                 continue

@@ -86,41 +86,62 @@ def engine_env(patched: bool, tree: str | None = None) -> dict[str, str]:
     return env
 
 
+class _Run:
+    """One engine configuration's files in the cache: the config (with the series stamp of
+    the patched tree, keyed by its digest), the result and the log."""
+
+    def __init__(self, name: str, config: dict, patched: bool, tree: str | None) -> None:
+        self.name, self.patched = name, patched
+        self.config = {"name": name, **config, "patched": patched}
+        if patched:
+            self.config["series"] = series_stamp(patched_tree(tree))
+        key = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest()[:16]
+        out_dir = WORK / "runs"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.result_file = out_dir / f"{name}-{key}.json"
+        self.log_file = out_dir / f"{name}-{key}.log"
+        self.cfg_file = out_dir / f"{name}-{key}.config.json"
+
+    def start(self, what: str = "") -> list[str]:
+        """Write the config and say so; the probe's arguments."""
+        self.cfg_file.write_text(json.dumps(self.config))
+        kind = ("patched" if self.patched else "unpatched") + what
+        log(f"engine run {self.name} ({kind}) -> {self.log_file}")
+        return [str(self.cfg_file), str(self.result_file)]
+
+    def check(self, returncode: int, what: str = "") -> None:
+        if returncode != 0:
+            tail = self.log_file.read_text()[-3000:]
+            raise RuntimeError(f"engine run {self.name}{what} failed (exit {returncode}):\n{tail}")
+
+    def result(self) -> dict:
+        return {**json.loads(self.result_file.read_text()), "log_file": str(self.log_file)}
+
+
+_PROBE = [sys.executable, "-m", "eotools.engine_probe"]
+
+
 def run_engine(
     name: str, config: dict, patched: bool, timeout: float = 900, tree: str | None = None
 ) -> dict:
     """Run (or fetch the cached result of) one engine configuration. `tree` overrides
     EO_VLLM_PATCHED (an A/B against another series); the cache key holds the series stamp
     of the tree used."""
-    config = {"name": name, **config, "patched": patched}
-    if patched:
-        config["series"] = series_stamp(patched_tree(tree))
-    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-    out_dir = WORK / "runs"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result_file = out_dir / f"{name}-{key}.json"
-    log_file = out_dir / f"{name}-{key}.log"
-    if result_file.exists():
-        return {**json.loads(result_file.read_text()), "log_file": str(log_file)}
-    cfg_file = out_dir / f"{name}-{key}.config.json"
-    cfg_file.write_text(json.dumps(config))
-    log(f"engine run {name} ({'patched' if patched else 'unpatched'}) -> {log_file}")
+    run = _Run(name, config, patched, tree)
+    if run.result_file.exists():
+        return run.result()
     t0 = time.time()
-    with open(log_file, "w") as lf:
+    with open(run.log_file, "w") as lf:
         r = subprocess.run(
-            [sys.executable, "-m", "eotools.engine_probe", str(cfg_file), str(result_file)],
+            [*_PROBE, *run.start()],
             env=engine_env(patched, tree),
             stdout=lf,
             stderr=subprocess.STDOUT,
             timeout=timeout,
         )
-    if r.returncode != 0:
-        tail = log_file.read_text()[-3000:]
-        raise RuntimeError(f"engine run {name} failed (exit {r.returncode}):\n{tail}")
+    run.check(r.returncode)
     log(f"engine run {name} done in {time.time() - t0:.0f} s")
-    result = json.loads(result_file.read_text())
-    result["log_file"] = str(log_file)
-    return result
+    return run.result()
 
 
 def run_engine_pair(
@@ -136,45 +157,30 @@ def run_engine_pair(
     that the run was paired and with what. The engines share the GPU's memory, so
     EO_GPU_MEMORY_UTILIZATION (or each config's engine settings) must leave room for both.
     `probe`: the command that runs one configuration (tests; default engine_probe)."""
-    probe = probe or [sys.executable, "-m", "eotools.engine_probe"]
-    runs = []
-    for (name, config, patched), (partner, _, _) in ((leader, follower), (follower, leader)):
-        config = {"name": name, **config, "patched": patched, "paired_with": partner}
-        if patched:
-            config["series"] = series_stamp(patched_tree(tree))
-        key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-        runs.append((name, config, patched, key))
-    out_dir = WORK / "runs"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = [(out_dir / f"{n}-{k}.json", out_dir / f"{n}-{k}.log") for n, _, _, k in runs]
-    if all(f.exists() for f, _ in files):
-        return tuple(  # type: ignore[return-value]
-            {**json.loads(f.read_text()), "log_file": str(lf)} for f, lf in files
-        )
+    runs = [
+        _Run(name, {**config, "paired_with": partner[0]}, patched, tree)
+        for (name, config, patched), partner in ((leader, follower), (follower, leader))
+    ]
+    if all(r.result_file.exists() for r in runs):
+        return runs[0].result(), runs[1].result()
     to_follower, to_leader = os.pipe(), os.pipe()  # (read, write) each
     batons = [
-        f"leader:{to_leader[0]}:{to_follower[1]}",
-        f"follower:{to_follower[0]}:{to_leader[1]}",
+        (f"leader:{to_leader[0]}:{to_follower[1]}", [to_leader[0], to_follower[1]]),
+        (f"follower:{to_follower[0]}:{to_leader[1]}", [to_follower[0], to_leader[1]]),
     ]
     procs, logs = [], []
     t0 = time.time()
     try:
-        for (name, config, patched, key), (result_file, log_file), baton in zip(
-            runs, files, batons, strict=True
-        ):
-            cfg_file = out_dir / f"{name}-{key}.config.json"
-            cfg_file.write_text(json.dumps(config))
-            kind = "patched" if patched else "unpatched"
-            log(f"engine run {name} ({kind}, paired) -> {log_file}")
-            lf = open(log_file, "w")  # noqa: SIM115 (closed below)
+        for run, (baton, fds) in zip(runs, batons, strict=True):
+            lf = open(run.log_file, "w")  # noqa: SIM115 (closed below)
             logs.append(lf)
             procs.append(
                 subprocess.Popen(
-                    [*probe, str(cfg_file), str(result_file)],
-                    env={**engine_env(patched, tree), "EO_BATON": baton},
+                    [*(probe or _PROBE), *run.start(", paired")],
+                    env={**engine_env(run.patched, tree), "EO_BATON": baton},
                     stdout=lf,
                     stderr=subprocess.STDOUT,
-                    pass_fds=[int(x) for x in baton.split(":")[1:]],
+                    pass_fds=fds,
                 )
             )
     finally:
@@ -189,14 +195,10 @@ def run_engine_pair(
     finally:
         for lf in logs:
             lf.close()
-    for (name, *_), code, (_, log_file) in zip(runs, codes, files, strict=True):
-        if code != 0:
-            tail = log_file.read_text()[-3000:]
-            raise RuntimeError(f"engine run {name} (paired) failed (exit {code}):\n{tail}")
-    log(f"engine runs {runs[0][0]} and {runs[1][0]} (paired) done in {time.time() - t0:.0f} s")
-    return tuple(  # type: ignore[return-value]
-        {**json.loads(f.read_text()), "log_file": str(lf)} for f, lf in files
-    )
+    for run, code in zip(runs, codes, strict=True):
+        run.check(code, " (paired)")
+    log(f"engine runs {runs[0].name} and {runs[1].name} (paired) done in {time.time() - t0:.0f} s")
+    return runs[0].result(), runs[1].result()
 
 
 def engine(**overrides) -> dict:

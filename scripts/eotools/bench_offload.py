@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.paired and name == "unpatched":
             continue  # each configuration runs beside an unpatched engine of its own
         per_layer = per_layer or args.host_experts_per_layer
-        label = f"bench-{spec_slug(spec)}" + (f"-r{rnd}" if rnd > 1 else "")
+        in_round = f"-r{rnd}" if rnd > 1 else ""
+        label = f"bench-{spec_slug(spec)}{in_round}"
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
             cold_path, placed = cold_set(per_layer)
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         config_tasks = tasks
         if args.decide_ab and name == "offload-03-swap" and not variant:
             config_tasks = [*tasks, decide_ab_task(prompts, args.decode_tokens, args.repeats)]
-        base_label = f"bench-unpatched-for-{spec_slug(spec)}" + (f"-r{rnd}" if rnd > 1 else "")
+        base_label = f"bench-unpatched-for-{spec_slug(spec)}{in_round}"
         base_res = None
         if args.from_runs:
             res = _from_runs(args.from_runs, label)

@@ -59,9 +59,9 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> float:
 
 def test_engine_counts_through_a_swapping_table_match_the_planted_picks(int4_model, int4_cold_file):
     # under EO_GPU_WORK, not pytest's tmp folder: gpu-suite packs it with the engine runs
-    tmp_path = gh.WORK / "runs" / "counting-engine"
-    shutil.rmtree(tmp_path, ignore_errors=True)
-    tmp_path.mkdir(parents=True)
+    work = gh.WORK / "runs" / "counting-engine"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
     data = int4_model / "data" / "legal.heldout.jsonl"
     env = gh.engine_env(patched=True)
     env.update(
@@ -73,9 +73,9 @@ def test_engine_counts_through_a_swapping_table_match_the_planted_picks(int4_mod
         VLLM_EXPERT_SWAP_MARGIN="-1",
         VLLM_EXPERT_COUNT_TRACE_TOKENS=str(TRACE),
     )
-    engine = _count(int4_model, data, tmp_path / "engine", "engine", env)
-    planted = _count(int4_model, data, tmp_path / "planted", "synthetic")
-    log = (tmp_path / "count-experts-engine.log").read_text()
+    engine = _count(int4_model, data, work / "engine", "engine", env)
+    planted = _count(int4_model, data, work / "planted", "synthetic")
+    log = (work / "count-experts-engine.log").read_text()
     layers_n = planted.prefill.shape[0]
     assert f"runtime swap on {layers_n} one-table layers" in log, "no one table (see the log)"
 
@@ -93,12 +93,12 @@ def test_engine_counts_through_a_swapping_table_match_the_planted_picks(int4_mod
     # following the planted chain (test_smoke: > 95%)
     assert pre > 0.97 and dec > 0.90, (pre, dec)
 
-    [trace_file] = (tmp_path / "engine" / ".engine-counts").glob("*.picks.npz")
+    [trace_file] = (work / "engine" / ".engine-counts").glob("*.picks.npz")
     trace = np.load(trace_file)
     picks, layers = trace["picks"], trace["layers"]
     assert picks.shape == (TRACE, len(layers), engine.top_k)
     # the trace is the first decode tokens' picks: every one of them is in the counts
-    [hook_file] = HookFiles(tmp_path / "engine" / ".engine-counts" / "counts.json").rank_files()
+    [hook_file] = HookFiles(work / "engine" / ".engine-counts" / "counts.json").rank_files()
     hook_total = load_counts(hook_file)
     for i, layer in enumerate(layers):
         seen = np.bincount(picks[:, i].ravel(), minlength=engine.decode.shape[1])

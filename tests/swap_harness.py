@@ -110,7 +110,8 @@ def as_ids(rows: np.ndarray, device: str) -> torch.Tensor:
 
 
 def check_state(state: sk.SwapCounters, ref: RowReference, where: str) -> None:
-    """Counters equal the reference's, counts bit for bit."""
+    """Counters equal the reference's, counts bit for bit, and the routing map is the
+    inverse of ``row_to_expert``."""
     counts = state.counts.cpu().numpy()
     if not np.array_equal(counts, ref.counts):
         bad = np.argwhere(counts != ref.counts)[:5].tolist()
@@ -120,6 +121,8 @@ def check_state(state: sk.SwapCounters, ref: RowReference, where: str) -> None:
         )
     r2e = state.row_to_expert.cpu().numpy()
     assert np.array_equal(r2e, ref.row_to_expert), f"{where}: row_to_expert"
+    e2r = state.expert_to_row.cpu().numpy()
+    assert np.array_equal(e2r, ref.expert_to_row()), f"{where}: expert_to_row"
     assert state.swaps.cpu().tolist() == ref.swaps.tolist(), f"{where}: swaps"
     hr = state.host_reads.cpu().tolist()
     assert hr == ref.host_reads.tolist(), f"{where}: host_reads"
@@ -135,7 +138,7 @@ def check_policy_match(
     seed: int = 0,
 ) -> np.ndarray:
     """Run ``rounds`` decisions of random decode steps through the kernels and the
-    reference; every decision, count, row_to_expert entry and counter must agree.
+    reference; every routed row, decision, count, map entry and counter must agree.
     Returns the swaps per layer."""
     rng = np.random.default_rng(seed)
     layers = len(gpu_rows)
@@ -146,17 +149,17 @@ def check_policy_match(
     for rnd in range(rounds):
         if rnd % 16 == 0:
             source.drift()
-        # One count_picks per layer for the whole round: every add is +1.0, so
+        # One route_picks per layer for the whole round: every add is +1.0, so
         # counting the steps together gives the same float32 counts.
-        steps = [
-            rows_of(source.experts(int(rng.integers(1, 4))), ref.expert_to_row())
-            for _ in range(policy.interval)
-        ]
-        for rows in steps:
-            ref.observe(rows)
+        steps = [source.experts(int(rng.integers(1, 4))) for _ in range(policy.interval)]
+        for experts in steps:
+            ref.observe(rows_of(experts, ref.expert_to_row()))
         picked = np.concatenate(steps, axis=1)
+        want_rows = rows_of(picked, ref.expert_to_row())
         for layer in range(layers):
-            sk.count_picks(state, layer, as_ids(picked[layer], device))
+            rows = sk.route_picks(state, layer, as_ids(picked[layer], device))
+            got = rows.cpu().numpy()
+            assert np.array_equal(got, want_rows[layer]), f"round {rnd}: rows of {layer}"
         sk.decide(state, policy.decay, policy.margin)
         want = ref.decide(policy)
         got = state.decision.cpu().numpy()
@@ -167,7 +170,8 @@ def check_policy_match(
 
 @dataclass
 class LayerTensors:
-    """One layer's swappable tensors; ``backing`` holds views' whole storage."""
+    """One layer's swappable tensors; ``backing`` holds views' whole storage. The
+    router ``gate`` stays in expert order: the swap never moves it."""
 
     tensors: list[torch.Tensor]
     backing: list[torch.Tensor]
@@ -186,13 +190,15 @@ def make_layer(
     device: str,
     variety: bool,
 ) -> LayerTensors:
-    """Weights, scales and gate of one layer, random bytes. ``variety`` adds rows
-    that are not a multiple of 4 bytes, strided rows, a 1-D tensor and a long row."""
+    """Weights and scales of one layer, random bytes, and its router gate. ``variety``
+    adds rows that are not a multiple of 4 bytes, strided rows, a 1-D tensor and a
+    long row."""
     gate = torch.randn(experts, hidden, generator=gen, dtype=torch.float64)
     gate = gate.to(torch.float32).to(device)
     weights = _random_tensor(gen, (experts, 3, 8), torch.int32).to(device)
-    tensors = [weights, gate]
-    backing = [weights, gate]
+    scales = _random_tensor(gen, (experts, 4), torch.bfloat16).to(device)
+    tensors = [weights, scales]
+    backing = [weights, scales]
     if variety:
         odd = _random_tensor(gen, (experts, 7), torch.uint8).to(device)  # bytes
         bf16 = _random_tensor(gen, (experts, 5), torch.bfloat16).to(device)  # 10 B
@@ -211,7 +217,7 @@ def make_odd_layer(gen: torch.Generator, experts: int, device: str) -> LayerTens
     """A layer whose only rows are unaligned: a view starting 1 byte in."""
     wide = _random_tensor(gen, (experts, 12), torch.uint8).to(device)
     gate = torch.randn(experts, 6, generator=gen).to(device)
-    return LayerTensors([wide[:, 1:12], gate], [wide, gate], gate)
+    return LayerTensors([wide[:, 1:12]], [wide], gate)
 
 
 def row_bytes(t: torch.Tensor) -> list[bytes]:
@@ -233,17 +239,15 @@ def padding_bytes(layer: LayerTensors) -> list[bytes]:
     return out
 
 
-def router_experts(
-    hidden: torch.Tensor, gate: torch.Tensor, row_to_expert: np.ndarray, k: int
-) -> np.ndarray:
-    """Original expert ids the router picks, through the permuted gate."""
+def router_experts(hidden: torch.Tensor, gate: torch.Tensor, k: int) -> np.ndarray:
+    """The expert ids the router picks (the gate is in expert order)."""
     logits = hidden.double() @ gate.double().T
-    rows = logits.topk(k, dim=1).indices.cpu().numpy()
-    return np.asarray(row_to_expert)[rows]
+    return logits.topk(k, dim=1).indices.cpu().numpy()
 
 
 class Integrity:
-    """Per-row fingerprints at start, checked against ``row_to_expert`` later."""
+    """Per-row fingerprints at start, checked against ``row_to_expert`` and
+    ``expert_to_row`` later."""
 
     def __init__(self, layers: list[LayerTensors], row_to_expert: np.ndarray, k: int = 4) -> None:
         self.layers = layers
@@ -256,14 +260,17 @@ class Integrity:
             torch.randn(16, lt.gate.shape[1], generator=gen).to(lt.gate.device) for lt in layers
         ]
         self.start_router = [
-            router_experts(h, lt.gate, row_to_expert[i], k)
-            for i, (h, lt) in enumerate(zip(self.hidden, layers, strict=True))
+            router_experts(h, lt.gate, k) for h, lt in zip(self.hidden, layers, strict=True)
         ]
 
-    def check(self, row_to_expert: np.ndarray, where: str) -> None:
+    def check(self, row_to_expert: np.ndarray, expert_to_row: np.ndarray, where: str) -> None:
         for i, lt in enumerate(self.layers):
             perm = np.asarray(row_to_expert[i])
             assert sorted(perm.tolist()) == list(range(len(perm))), where
+            routes = np.asarray(expert_to_row[i])
+            assert np.array_equal(routes[perm], np.arange(len(perm))), (
+                f"{where}: layer {i}: expert_to_row is not the inverse of row_to_expert"
+            )
             src = self.expert_row0[i][perm]  # start row of the expert at each row
             for t, tensor in enumerate(lt.tensors):
                 now = row_bytes(tensor)
@@ -279,10 +286,19 @@ class Integrity:
             assert padding_bytes(lt) == self.start_padding[i], (
                 f"{where}: layer {i}: bytes between strided rows changed"
             )
-            picked = router_experts(self.hidden[i], lt.gate, perm, self.k)
+            picked = router_experts(self.hidden[i], lt.gate, self.k)
             assert np.array_equal(picked, self.start_router[i]), (
                 f"{where}: layer {i}: the router picks other experts than before"
             )
+            # the rows the router's picks are routed to hold those experts' bytes
+            first_rows = self.expert_row0[i][picked]
+            for t, tensor in enumerate(lt.tensors):
+                now = row_bytes(tensor)
+                start = self.start_rows[i][t]
+                routed = [now[r] for r in routes[picked].ravel()]
+                assert routed == [start[r] for r in first_rows.ravel()], (
+                    f"{where}: layer {i} tensor {t}: a pick is routed to another expert's row"
+                )
 
 
 def run_swaps(
@@ -329,7 +345,11 @@ def run_swaps(
         if total >= check_at[0]:
             while check_at and total >= check_at[0]:
                 check_at.pop(0)
-            integrity.check(state.row_to_expert.cpu().numpy(), f"round {rnd}")
+            integrity.check(
+                state.row_to_expert.cpu().numpy(),
+                state.expert_to_row.cpu().numpy(),
+                f"round {rnd}",
+            )
     assert state.swaps.sum().item() == total
     assert total >= min_swaps, f"only {total} swaps"
     return total
@@ -363,6 +383,7 @@ def check_ties(device: str) -> None:
     assert state.decision.tolist() == [[1, 5]]
     assert state.counts.tolist() == [[3.0, 7.0, 1.0, 2.0, 5.0, 1.0, 7.0, 6.0]]
     assert state.row_to_expert.tolist() == [[7, 2, 5, 4, 3, 6, 1, 0]]
+    assert state.expert_to_row.tolist() == [[7, 6, 1, 4, 3, 2, 5, 0]]
     assert state.swaps.tolist() == [1]
     ref = RowReference([4], 8, np.array(r2e))
     ref.state.counts[:] = counts
@@ -404,11 +425,14 @@ def check_one_sided_layers(device: str) -> None:
     assert state.decision.tolist() == [[-1, -1]] * 3
 
 
-def check_count_picks(device: str, dtype: torch.dtype, seed: int = 1) -> None:
-    """counts and host_reads against numpy, with masks, strides and sizes."""
+def check_route_picks(device: str, dtype: torch.dtype, seed: int = 1) -> None:
+    """Rows, counts and host_reads against numpy, with masks, strides and sizes: the
+    router's expert ids go to the rows a permuted table holds them in."""
     rng = np.random.default_rng(seed)
     experts, gpu_rows = 20, [0, 7, 20]
-    state = sk.SwapCounters.create(gpu_rows, experts, device)
+    r2e = random_permutations(rng, 3, experts)
+    e2r = np.argsort(r2e, axis=1)
+    state = sk.SwapCounters.create(gpu_rows, experts, device, r2e)
     counts = np.zeros((3, experts), dtype=np.float32)
     reads = np.zeros(3, dtype=np.int64)
     for i in range(30):
@@ -426,13 +450,18 @@ def check_count_picks(device: str, dtype: torch.dtype, seed: int = 1) -> None:
         topk = torch.from_numpy(ids).to(device, dtype)
         if i % 5 == 3:  # a transposed (non-contiguous) view
             topk = torch.from_numpy(np.ascontiguousarray(ids.T)).to(device, dtype).T
-        sk.count_picks(state, layer, topk, valid)
-        kept = ids[keep]
+        rows = sk.route_picks(state, layer, topk, valid)
+        assert rows.dtype == dtype and rows.shape == topk.shape
+        # every pick is routed, counted or not
+        assert np.array_equal(rows.cpu().numpy(), e2r[layer][ids]), f"call {i}"
+        kept = e2r[layer][ids[keep]]
         np.add.at(counts[layer], kept.ravel(), 1.0)
         reads[layer] += int((kept >= gpu_rows[layer]).sum())
-    sk.count_picks(state, 1, torch.zeros((0, 6), dtype=dtype, device=device))
+    empty = sk.route_picks(state, 1, torch.zeros((0, 6), dtype=dtype, device=device))
+    assert empty.shape == (0, 6)
     outside = torch.tensor([[-1, experts], [experts + 5, -7]], device=device)
-    sk.count_picks(state, 1, outside.to(dtype))  # counted nowhere
+    rows = sk.route_picks(state, 1, outside.to(dtype))  # counted nowhere
+    assert rows.tolist() == [[-1, -1], [-1, -1]]
     assert np.array_equal(state.counts.cpu().numpy(), counts)
     assert state.host_reads.tolist() == reads.tolist()
     assert reads[0] > 0 and reads[2] == 0
@@ -444,7 +473,7 @@ def check_count_rounding(device: str) -> None:
     start = np.float32([0.1, 1.7, 3.3, 1e7])
     state.counts.copy_(torch.from_numpy(start)[None])
     ids = np.array([[3, 3], [3, 0], [2, 3], [0, 1]])
-    sk.count_picks(state, 0, torch.from_numpy(ids).to(device))
+    sk.route_picks(state, 0, torch.from_numpy(ids).to(device))  # identity map
     want = start.copy()
     np.add.at(want, ids.ravel(), np.float32(1.0))
     assert np.array_equal(state.counts[0].cpu().numpy(), want)
@@ -491,7 +520,8 @@ def check_step_integrity(device: str, min_swaps: int, seed: int = 4) -> int:
 
 
 def check_many_swaps(device: str, min_swaps: int, layers: int = 16) -> int:
-    """The integrity test proper: >= min_swaps swaps, weights and gate per layer."""
+    """The integrity test proper: >= min_swaps swaps, weights and scales per layer,
+    and the router's picks routed to their experts' rows."""
     gen = torch.Generator().manual_seed(5)
     experts = 32
     tensors = [make_layer(gen, experts, 8, device, variety=False) for _ in range(layers)]

@@ -13,12 +13,15 @@ set -u
 # shellcheck source=bench/plans/common.sh
 source "$(dirname "$0")/common.sh"
 plan_models "${1:-}" "$0"
-# phase 1, alone: the GPU tests not yet passed, the cheapest and most telling first
+# phase 1, alone: the GPU tests not yet passed, and the swap kernels again (they now route
+# expert ids to rows, 0008); the one-table correctness first (the router is no longer
+# permuted: its picks must now be the unpatched ones)
 scripts/gpu-suite --budget-s 720 --out "$R/p1" \
-  'tests:tests/gpu/test_counting_engine.py -rA -s' \
+  'tests:tests/gpu/test_swap_kernels_gpu.py -rA -s' \
   "tests:$T::test_int4_one_table_matches_unpatched -rA -s" \
-  "tests:$T::test_bf16_split_experts_match_unpatched -rA -s" \
-  "tests:$T::test_int4_split_experts_match_unpatched $T::test_int4_host_layer_matches_unpatched $T::test_memory_moves_from_vram_to_host -rA -s"
+  'tests:tests/gpu/test_counting_engine.py -rA -s' \
+  "tests:$T::test_int4_split_experts_match_unpatched $T::test_int4_host_layer_matches_unpatched $T::test_memory_moves_from_vram_to_host -rA -s" \
+  "tests:$T::test_bf16_split_experts_match_unpatched -rA -s"
 # phase 2, alone: the host-read cost, then issues 3 and 4's speed targets, each
 # configuration beside an unpatched engine of its own, the two taking turns request by
 # request (--paired; ratios within the pair): 3 pairs, about 10 min. The rest of the table

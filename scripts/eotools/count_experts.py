@@ -223,6 +223,9 @@ class EngineClient:
         params_factory=None,
     ):
         os.environ["VLLM_EXPERT_COUNT_FILE"] = str(counts_file)  # before vLLM starts
+        # the engine core in this process: its errors reach this tool's output, and its
+        # counters are written when the tool exits (as gpu_harness' engines run)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.url = f"offline engine ({model})"
         self.model = model
         if llm_factory is None or params_factory is None:

@@ -73,11 +73,11 @@ def test_decide_rejects_bad_parameters() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_count_picks(dtype: torch.dtype) -> None:
-    h.check_count_picks(DEVICE, dtype)
+def test_route_picks(dtype: torch.dtype) -> None:
+    h.check_route_picks(DEVICE, dtype)
 
 
-def test_count_picks_on_fractional_counts_is_exact() -> None:
+def test_route_picks_on_fractional_counts_is_exact() -> None:
     h.check_count_rounding(DEVICE)
 
 

@@ -450,6 +450,7 @@ def test_count_experts_engine_drives_an_offline_engine(fake_server, tmp_path, mo
         ),
     )
     monkeypatch.setenv("VLLM_EXPERT_COUNT_FILE", "")  # restored after: the client sets it
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # and this one
     (tmp_path / "code.txt").write_text("a b c\n\nd e f g h\n")
     args = ["--source", "engine", "--model", "/models/m", "--counts-file"]
     args += [str(fake_server.counts_file), "--out-dir", str(tmp_path / "out"), "--timeout", "10"]
@@ -480,6 +481,7 @@ def test_count_experts_engine_needs_a_model_and_vllm(tmp_path, capsys, monkeypat
     assert count_experts.main(base) == 2
     monkeypatch.setitem(sys.modules, "vllm", None)  # no vLLM on this machine
     monkeypatch.setenv("VLLM_EXPERT_COUNT_FILE", "")  # restored after: the client sets it
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)  # and this one
     assert count_experts.main(base + ["--model", "m"]) == 1
     assert "needs vLLM with the series applied" in capsys.readouterr().err
     assert count_experts.main(base + ["--model", "m", "--engine-arg", "novalue"]) == 1
@@ -501,57 +503,37 @@ def one_table_counted(vllm_cpu, hook, tmp_path, monkeypatch):
     list(runner.load_weights(iter(offload_layers.checkpoint())))
     runner.gate = torch.nn.Linear(HIDDEN, E, bias=False)
     runner.gate.weight.data = torch.randn(E, HIDDEN).bfloat16()
-    table = one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
+    table = one_table.merge(runner.routed_experts, one_table.cpu_allocator)
     runner.routed_experts.__dict__["one_table"] = table
     counters = hook.get_counters()
     counters.prepare_step(np.array([0, 1, 2]), np.array([False, False]))  # two decode tokens
     return runner, table, counters
 
 
-def test_one_table_counts_experts_not_rows(one_table_counted):
-    from vllm.model_executor.layers.fused_moe.expert_offload import processing, usage_counts
-
-    runner, table, counters = one_table_counted
-    cpu = torch.device("cpu")
-    usage_counts.count_by_expert(
-        runner, processing._row_to_expert(runner.routed_experts, table, cpu)
-    )
-    rows = torch.tensor([[0, 1, 12, 13], [12, 13, 14, 15]], dtype=torch.int32)
-    route(runner, rows)
-    want = np.zeros(E, np.int64)
-    for r in rows.flatten().tolist():
-        want[table.row_to_expert[r]] += 1
-    assert np.array_equal(counters.counts(2)[:, 1].numpy(), want)
-    assert table.row_to_expert[12:] == [0, 7, 8, 13]  # the host rows hold the cold experts
-    assert counters.counts(2)[[0, 7, 8, 13], 1].tolist() == [2, 2, 1, 1]
-
-
-def test_counts_follow_the_runtime_swap(one_table_counted, monkeypatch):
-    """After a swap moves an expert to another row, its picks still count for it."""
-    from vllm.model_executor.layers.fused_moe.expert_offload import (
-        processing,
-        swap,
-        swap_runtime,
-        usage_counts,
-    )
+def test_one_table_counts_experts_not_rows_whatever_the_swap_does(one_table_counted, monkeypatch):
+    """The router is untouched by one table: the count hook sees its expert ids, before
+    the layer maps them to table rows (which the runtime swap keeps changing)."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import swap, swap_runtime
 
     runner, table, counters = one_table_counted
     module = runner.routed_experts
-    monkeypatch.setattr(swap, "count_picks", lambda *a, **k: None)
+    ids = torch.tensor([[0, 1, 12, 13], [7, 13, 14, 8]], dtype=torch.int32)
+    route(runner, ids)
+    rows = table.rows_of(ids)
+    assert not torch.equal(rows, ids)  # counting rows would have counted other experts
+    want = np.bincount(ids.flatten().numpy(), minlength=E)
+    assert np.array_equal(counters.counts(2)[:, 1].numpy(), want)
+
+    # with the runtime swap on, its map moves an expert; the counts stay by id
+    monkeypatch.setattr(swap, "route_picks", lambda state, i, ids, valid=None: ids)
     rt = swap_runtime.SwapRuntime(swap_runtime.SwapSettings(8, 512.0, 2.0), max_tokens=16)
-    assert rt.register(module, runner)
+    assert rt.register(module)
     module.__dict__["swap"] = rt
-    cpu = torch.device("cpu")
-    usage_counts.count_by_expert(runner, processing._row_to_expert(module, table, cpu))
-    route(runner, torch.tensor([[0, 12, 1, 2]], dtype=torch.int32))
-    first, host = table.row_to_expert[0], table.row_to_expert[12]
-    # the swap kernel exchanges rows 0 and 12 (weights, gate and this map, in place)
-    r2e = rt.state.row_to_expert[0]
-    r2e[0], r2e[12] = int(r2e[12]), int(r2e[0])
-    route(runner, torch.tensor([[0, 12, 1, 2]], dtype=torch.int32))
-    decode = counters.counts(2)[:, 1]
-    assert int(decode[first]) == 2 and int(decode[host]) == 2  # each counted twice, by id
-    assert int(decode.sum()) == 8
+    rt.route(module, ids)  # the first forward makes the runtime's maps
+    e2r = rt.state.expert_to_row[0]
+    e2r[[0, 1]] = e2r[[1, 0]].clone()
+    route(runner, ids)
+    assert np.array_equal(counters.counts(2)[:, 1].numpy(), 2 * want)
 
 
 # ---- the per-token pick trace (VLLM_EXPERT_COUNT_TRACE_TOKENS) ------------------------------

@@ -144,7 +144,7 @@ def test_loading_an_offloaded_model_starts_publishing(vllm_cpu, tmp_path, monkey
 def test_swap_counters_reach_the_snapshot_after_a_decision(runtime, decisions):  # noqa: F811
     rt, runner, _, _ = runtime
     assert rt.published_counters() is None  # nothing before the first decision
-    rt.count(runner.routed_experts, torch.zeros((1, 4), dtype=torch.int32))
+    rt.route(runner.routed_experts, torch.zeros((1, 4), dtype=torch.int32))
     for _ in range(decisions):
         rt.state.host_reads += 5
         rt.state.swaps += 1

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """offload-03's merge on the CPU: a split layer's two tables become one table per tensor
-(GPU experts first, then host experts), the router gate's rows follow, router ids become
-table rows, parameter names stay upstream's, and a refused allocation changes nothing.
+(GPU experts first, then host experts), the router stays untouched and its expert ids are
+mapped to table rows in the layer's forward, parameter names stay upstream's, and a refused
+allocation changes nothing.
 The VMM range itself and the kernel setup on merged tensors run on a GPU
 (tests/gpu/test_vmm_gpu.py; the engine tests).
 
@@ -44,7 +45,7 @@ def test_one_table_holds_gpu_experts_then_host_experts(loaded):
     runner, setups = loaded
     module = runner.routed_experts
     names = [n for n, _ in runner.named_parameters()]
-    table = one_table.merge(module, runner, one_table.cpu_allocator)
+    table = one_table.merge(module, one_table.cpu_allocator)
 
     order = [e for e in range(E) if e not in COLD] + COLD
     assert table.row_to_expert == order
@@ -64,22 +65,36 @@ def test_one_table_holds_gpu_experts_then_host_experts(loaded):
     assert module.quant_method.moe_quant_config == "set up on the merged tensors"
 
 
-def test_router_ids_become_table_rows_for_the_same_experts(loaded):
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_the_router_is_untouched_and_its_picks_go_to_their_experts_rows(loaded, monkeypatch, dtype):
+    """The gate keeps expert order (a permuted gate would break BF16 ties differently
+    from the unpatched router); the layer's forward hands the kernel the rows that hold
+    the picked experts."""
     from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
     runner, _ = loaded
-    x = torch.randn(256, HIDDEN, dtype=torch.float64)
+    module = runner.routed_experts
+    gate = runner.gate.weight.data.clone()
+    table = one_table.merge(module, one_table.cpu_allocator)
+    module.__dict__["one_table"] = table
+    assert torch.equal(runner.gate.weight.data, gate)
 
-    def picks():  # in float64, so the GEMM's blocking cannot break near-ties differently
-        return (x @ runner.gate.weight.double().T).topk(K, dim=-1).indices
-
-    before = picks()
-    table = one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
-    rows = picks()
-    experts = torch.tensor(table.row_to_expert)[rows]
-    # the same experts, by original id (random logits: no ties to break differently)
-    assert torch.equal(experts.sort(-1).values, before.sort(-1).values)
-    assert not torch.equal(rows, before)  # and the ids really are rows now
+    seen = []
+    monkeypatch.setattr(
+        RoutedExperts,
+        "forward_modular",
+        lambda self, x, w, ids, *a, **k: seen.append(ids) or x,
+    )
+    picks = torch.tensor([[0, 7, 1, 13], [8, 2, 12, 15]], dtype=dtype)
+    module.forward_modular(torch.zeros(2, HIDDEN), torch.full((2, K), 0.25), picks)
+    [rows] = seen
+    assert rows.dtype == dtype and rows.shape == picks.shape
+    assert torch.equal(torch.tensor(table.row_to_expert)[rows.long()], picks.long())
+    # the host experts are the last rows, the GPU experts keep their order in front
+    assert rows.tolist() == [[12, 13, 0, 15], [14, 1, 9, 11]]
+    # checkpoint() fills every value of expert e with e: the rows hold the picked experts
+    assert module.w2_weight[rows.flatten().long(), 0, 0].tolist() == picks.flatten().tolist()
 
 
 def test_a_refused_allocation_changes_nothing(loaded):
@@ -104,28 +119,12 @@ def test_a_refused_allocation_changes_nothing(loaded):
         return torch.empty((rows, *row_shape), dtype=dtype), Range()
 
     with pytest.raises(RuntimeError, match="injected"):
-        one_table.merge(module, runner, allocate)
+        one_table.merge(module, allocate)
     assert len(closed) == 1  # the first table's range was released
     for n, p in module.named_parameters(recurse=False):
         assert torch.equal(p.data, before[n])
     assert torch.equal(runner.gate.weight.data, gate)
     assert module.expert_map is not None and not setups  # still offload-02's two tables
-
-
-def test_a_router_with_per_expert_state_is_refused(loaded):
-    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
-    from vllm.model_executor.layers.fused_moe.expert_offload.config import (
-        ExpertOffloadError,
-    )
-
-    runner, _ = loaded
-
-    class GroupedTopKRouter:
-        pass
-
-    runner.router = GroupedTopKRouter()
-    with pytest.raises(ExpertOffloadError, match="GroupedTopKRouter"):
-        one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
 
 
 def test_an_unknown_quantisation_method_is_refused_before_any_change(loaded, monkeypatch):
@@ -138,5 +137,5 @@ def test_an_unknown_quantisation_method_is_refused_before_any_change(loaded, mon
     monkeypatch.delitem(one_table.KERNEL_SETUP, "UnquantizedFusedMoEMethod")
     w13 = runner.routed_experts.w13_weight.data_ptr()
     with pytest.raises(ExpertOffloadError, match="UnquantizedFusedMoEMethod"):
-        one_table.merge(runner.routed_experts, runner, one_table.cpu_allocator)
+        one_table.merge(runner.routed_experts, one_table.cpu_allocator)
     assert runner.routed_experts.w13_weight.data_ptr() == w13

@@ -14,6 +14,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -46,8 +47,17 @@ def _count(model: pathlib.Path, data: pathlib.Path, out: pathlib.Path, source: s
         # the harness's engine settings (compile cache shared with the other GPU tests)
         for key, value in gh.engine().items():
             cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
+    start = time.monotonic()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    (out.parent / f"count-experts-{source}.log").write_text(r.stdout + r.stderr)
+    log = out.parent / f"count-experts-{source}.log"
+    log.write_text(r.stdout + r.stderr)
+    # into the suite's log at once: a step cut off later still says how this ended
+    gh.log(
+        f"count-experts --source {source}: exit {r.returncode} after "
+        f"{time.monotonic() - start:.0f} s ({log})"
+    )
+    if r.returncode != 0:
+        gh.log("\n".join((r.stdout + r.stderr).splitlines()[-40:]))
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return load_counts(out / "legal.json")
 
@@ -77,6 +87,8 @@ def test_engine_counts_through_a_swapping_table_match_the_planted_picks(int4_mod
     planted = _count(int4_model, data, work / "planted", "synthetic")
     log = (work / "count-experts-engine.log").read_text()
     layers_n = planted.prefill.shape[0]
+    offload_lines = [line for line in log.splitlines() if "Expert offload" in line]
+    gh.log("\n".join(offload_lines[-12:]))
     assert f"runtime swap on {layers_n} one-table layers" in log, "no one table (see the log)"
 
     pre = _agreement(engine.prefill, planted.prefill)

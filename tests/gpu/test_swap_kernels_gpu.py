@@ -76,11 +76,11 @@ def test_no_swap_without_rows_on_both_sides() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_count_picks(dtype: torch.dtype) -> None:
-    h.check_count_picks(DEVICE, dtype)
+def test_route_picks(dtype: torch.dtype) -> None:
+    h.check_route_picks(DEVICE, dtype)
 
 
-def test_count_picks_on_fractional_counts_is_exact() -> None:
+def test_route_picks_on_fractional_counts_is_exact() -> None:
     h.check_count_rounding(DEVICE)
 
 
@@ -111,21 +111,26 @@ def _capture(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def test_count_picks_in_cuda_graph() -> None:
+def test_route_picks_in_cuda_graph() -> None:
     rng = np.random.default_rng(11)
     layers, experts, tokens, top_k = 4, 64, 8, 8
     gpu_rows = [0, 20, 40, 64]
-    state = sk.SwapCounters.create(gpu_rows, experts, DEVICE)
+    r2e = h.random_permutations(rng, layers, experts)
+    e2r = np.argsort(r2e, axis=1)
+    state = sk.SwapCounters.create(gpu_rows, experts, DEVICE, r2e)
     ids = [
         torch.from_numpy(rng.integers(0, experts, (tokens, top_k))).to(DEVICE)
         for _ in range(layers)
     ]
     ids = [i.to(torch.int32) for i in ids]
     valid = torch.from_numpy(rng.random(tokens) < 0.7).to(DEVICE)
+    routed: list[torch.Tensor] = []
 
     def count() -> None:
+        routed.clear()
         for layer in range(layers):
-            sk.count_picks(state, layer, ids[layer], valid if layer % 2 else None)
+            valid_or_none = valid if layer % 2 else None
+            routed.append(sk.route_picks(state, layer, ids[layer], valid_or_none))
 
     graph = _capture(count)
     state.counts.zero_()
@@ -136,7 +141,8 @@ def test_count_picks_in_cuda_graph() -> None:
     torch.cuda.synchronize()
     keep = valid.cpu().numpy()
     for layer in range(layers):
-        picks = ids[layer].cpu().numpy()
+        picks = e2r[layer][ids[layer].cpu().numpy()]
+        assert np.array_equal(routed[layer].cpu().numpy(), picks), layer
         if layer % 2:
             picks = picks[keep]
         want = np.bincount(picks.ravel(), minlength=experts) * replays
@@ -162,10 +168,12 @@ def test_count_decide_and_swap_in_cuda_graphs() -> None:
     source = h.PickSource(rng, len(layers), experts, top_k)
     tokens = 2 * policy.interval  # 2 tokens per decode step
     ids = torch.zeros(len(layers), tokens, top_k, dtype=torch.int32, device=DEVICE)
+    routed: list[torch.Tensor] = []
 
     def count() -> None:
+        routed.clear()
         for layer in range(len(layers)):
-            sk.count_picks(state, layer, ids[layer])
+            routed.append(sk.route_picks(state, layer, ids[layer]))
 
     def swap() -> None:
         sk.step(state, tables, policy.decay, policy.margin)
@@ -180,11 +188,14 @@ def test_count_decide_and_swap_in_cuda_graphs() -> None:
     for rnd in range(400):
         if rnd % 16 == 0:
             source.drift()
-        rows = h.rows_of(source.experts(tokens), ref.expert_to_row())
+        experts_picked = source.experts(tokens)
+        rows = h.rows_of(experts_picked, ref.expert_to_row())
         for s in range(policy.interval):
             ref.observe(rows[:, 2 * s : 2 * s + 2])
-        ids.copy_(h.as_ids(rows, DEVICE))
+        ids.copy_(h.as_ids(experts_picked, DEVICE))
         count_graph.replay()
+        got_rows = torch.stack(routed).cpu().numpy()
+        assert np.array_equal(got_rows, rows), f"round {rnd}: routed rows"
         step_graph.replay()
         want = ref.decide(policy)
         got = state.decision.cpu().numpy()
@@ -192,7 +203,11 @@ def test_count_decide_and_swap_in_cuda_graphs() -> None:
         h.check_state(state, ref, f"round {rnd}")
         total += int((want[:, 0] >= 0).sum())
         if rnd % 100 == 99:
-            integrity.check(state.row_to_expert.cpu().numpy(), f"round {rnd}")
+            integrity.check(
+                state.row_to_expert.cpu().numpy(),
+                state.expert_to_row.cpu().numpy(),
+                f"round {rnd}",
+            )
     assert total >= 50, f"too few swaps: {total}"
 
 
@@ -220,7 +235,7 @@ def test_swap_across_the_vram_host_boundary_of_a_vmm_table() -> None:
         data = torch.randint(-(2**31), 2**31 - 1, weights.shape, generator=gen)
         weights.copy_(data.to(torch.int32))
         gate = torch.randn(experts, 16, generator=gen).to(DEVICE)
-        layer = h.LayerTensors([weights, gate], [weights, gate], gate)
+        layer = h.LayerTensors([weights], [weights], gate)
         total = h.run_swaps(DEVICE, [layer], [table.gpu_rows], min_swaps=200)
         assert total >= 200
         del weights, layer
@@ -241,7 +256,7 @@ def _time_ms(fn: Callable[[], None], iters: int) -> float:
 
 
 def test_timings() -> None:
-    """Informational: decide alone at L=48, E=512; count_picks; idle swap_rows."""
+    """Informational: decide alone at L=48, E=512; route_picks; idle swap_rows."""
     layers, experts = 48, 512
     gpu_rows = [384] * layers
     state = sk.SwapCounters.create(gpu_rows, experts, DEVICE)
@@ -261,9 +276,9 @@ def test_timings() -> None:
     )
 
     ids = torch.randint(0, experts, (layers, 1, 8), dtype=torch.int32, device=DEVICE)
-    graph = _capture(lambda: [sk.count_picks(state, i, ids[i]) for i in range(layers)])
+    graph = _capture(lambda: [sk.route_picks(state, i, ids[i]) for i in range(layers)])
     count = _time_ms(graph.replay, 100)
-    print(f"count_picks x{layers} layers (1 token, k=8) in a graph: {count * 1e3:.1f} us")
+    print(f"route_picks x{layers} layers (1 token, k=8) in a graph: {count * 1e3:.1f} us")
 
     # Idle swap (no decision) over 48 layers of 256 KiB rows: 64 chunks, as for
     # real expert rows (~1 MiB); fewer layers where memory is short.

@@ -460,11 +460,32 @@ def check_route_picks(device: str, dtype: torch.dtype, seed: int = 1) -> None:
     empty = sk.route_picks(state, 1, torch.zeros((0, 6), dtype=dtype, device=device))
     assert empty.shape == (0, 6)
     outside = torch.tensor([[-1, experts], [experts + 5, -7]], device=device)
-    rows = sk.route_picks(state, 1, outside.to(dtype))  # counted nowhere
-    assert rows.tolist() == [[-1, -1], [-1, -1]]
+    rows = sk.route_picks(state, 1, outside.to(dtype))  # passed through, counted nowhere
+    assert rows.tolist() == outside.tolist()
     assert np.array_equal(state.counts.cpu().numpy(), counts)
     assert state.host_reads.tolist() == reads.tolist()
     assert reads[0] > 0 and reads[2] == 0
+
+
+def check_map_to_rows(device: str, map_rows) -> None:
+    """One table's id -> row map (swap off): ``map_rows(ids, expert_to_row)`` against
+    numpy, both id dtypes, a transposed view, and ids outside the map passed through."""
+    rng = np.random.default_rng(2)
+    experts = 40
+    e2r = rng.permutation(experts)
+    table = torch.from_numpy(e2r).to(device, torch.int32)
+    for dtype in (torch.int32, torch.int64):
+        ids = rng.integers(-3, experts + 3, size=(1500, 8))
+        for topk in (
+            torch.from_numpy(ids).to(device, dtype),
+            torch.from_numpy(np.ascontiguousarray(ids.T)).to(device, dtype).T,
+        ):
+            rows = map_rows(topk, table)
+            assert rows.dtype == dtype and rows.shape == topk.shape
+            inside = (ids >= 0) & (ids < experts)
+            want = np.where(inside, e2r[np.clip(ids, 0, experts - 1)], ids)
+            assert np.array_equal(rows.cpu().numpy(), want)
+    assert map_rows(torch.zeros((0, 8), dtype=torch.int32, device=device), table).shape == (0, 8)
 
 
 def check_count_rounding(device: str) -> None:

@@ -403,7 +403,7 @@ def _from_runs(folder: pathlib.Path, label: str) -> dict | None:
     """The engine run `label` of a suite run in `folder` (None: not there), with the model it
     really ran as "ran_model" where its config says. Raw runs may be gzip-compressed."""
     # bench-<slug>-<16 hex>.json exactly: offload-03's must not match offload-03-swap's
-    pattern = re.compile(rf"{re.escape(label)}-[0-9a-f]{{16}}\.json")
+    pattern = re.compile(rf"({re.escape(label)}-[0-9a-f]{{16}})\.json(\.gz)?")
     found = [f for f in sorted(folder.iterdir()) if pattern.fullmatch(f.name)]
     if len(found) > 1:
         raise SystemExit(
@@ -412,14 +412,18 @@ def _from_runs(folder: pathlib.Path, label: str) -> dict | None:
         )
     if not found:
         return None
-    res = json.loads(found[0].read_text())
-    cfg = found[0].with_name(found[0].name.replace(".json", ".config.json"))
-    for c in (cfg, cfg.with_name(cfg.name + ".gz")):
+    res = json.loads(_read_maybe_gzip(found[0]))
+    stem = pattern.fullmatch(found[0].name).group(1)
+    for c in (folder / f"{stem}.config.json", folder / f"{stem}.config.json.gz"):
         if c.exists():
-            text = gzip.decompress(c.read_bytes()) if c.suffix == ".gz" else c.read_text()
-            res["ran_model"] = pathlib.Path(json.loads(text)["model"]).name
+            res["ran_model"] = pathlib.Path(json.loads(_read_maybe_gzip(c))["model"]).name
             break
     return res
+
+
+def _read_maybe_gzip(path: pathlib.Path) -> str:
+    data = path.read_bytes()
+    return (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
 
 
 def decide_ab_task(prompts: list, decode_tokens: int, repeats: int) -> dict:

@@ -77,6 +77,25 @@ def test_route_picks(dtype: torch.dtype) -> None:
     h.check_route_picks(DEVICE, dtype)
 
 
+def test_one_tables_map_kernel() -> None:
+    """offload-03's id -> row kernel (swap off), launched as it is on the GPU."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    def map_rows(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        ids = ids.contiguous()
+        rows = torch.empty_like(ids)
+        n = ids.numel()
+        if n:
+            grid = (-(-n // one_table._MAP_BLOCK),)
+            one_table._map_to_rows_kernel[grid](
+                ids, rows, table, n, table.numel(), BLOCK=one_table._MAP_BLOCK
+            )
+        return rows
+
+    h.check_map_to_rows(DEVICE, map_rows)
+    h.check_map_to_rows(DEVICE, one_table.map_to_rows)  # its torch path on the CPU
+
+
 def test_route_picks_on_fractional_counts_is_exact() -> None:
     h.check_count_rounding(DEVICE)
 

@@ -279,3 +279,27 @@ def test_paired_runs_take_their_ratio_from_their_own_unpatched_engine(repo_root,
     (runs / "bench-unpatched-for-offload-02-0123456789abcdef.json").unlink()
     subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
     assert json.loads(out.read_text())["not_run"] == ["offload-02"]
+
+
+def test_a_paired_run_with_gzip_compressed_results(repo_root, tmp_path):
+    """The committed paired 16-layer run keeps its engine results gzip-compressed (over
+    100 KB each); --from-runs reads them and takes each ratio within its pair."""
+    raw = repo_root / "bench/results/raw/2026-12-01-paired-16l-bench-h200"
+    assert list(raw.glob("bench-offload-03-swap-*.json.gz"))
+    model = tmp_path / "target-int4-16l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "16", "--no-weights"], check=True, capture_output=True)
+    out = tmp_path / "paired.json"
+    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
+    cmd += ["--from-runs", str(raw), "--paired", "--decide-ab", "--decode-tokens", "256"]
+    cmd += ["--configs", "unpatched,offload-03-swap,offload-03", "--host-experts-per-layer"]
+    cmd += ["51", "--host-layers", "0,1", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = {(x["config"], x["workload"]): x for x in doc["runs"]}
+    swap_fresh = rows[("offload-03-swap", "fresh")]
+    assert swap_fresh["decode_vs_unpatched"] == pytest.approx(490.6 / 547.9, abs=2e-3)
+    assert swap_fresh["host_reads_per_token"] == pytest.approx(0.64, abs=0.01)
+    assert rows[("offload-03-swap", "repeat")]["host_reads_per_token"] < 0.05
+    assert doc["not_run"] == ["offload-03"]  # its engine failed on the GPU host

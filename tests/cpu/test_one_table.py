@@ -95,6 +95,10 @@ def test_the_router_is_untouched_and_its_picks_go_to_their_experts_rows(loaded, 
     assert rows.tolist() == [[12, 13, 0, 15], [14, 1, 9, 11]]
     # checkpoint() fills every value of expert e with e: the rows hold the picked experts
     assert module.w2_weight[rows.flatten().long(), 0, 0].tolist() == picks.flatten().tolist()
+    # ids that are no expert (the profiling run routes uninitialised activations) pass
+    # through as the unpatched kernel would see them, instead of failing a gather
+    odd = torch.tensor([[-1, E, 3, E + 7]], dtype=dtype)
+    assert table.rows_of(odd).tolist() == [[-1, E, 2, E + 7]]
 
 
 def test_a_refused_allocation_changes_nothing(loaded):

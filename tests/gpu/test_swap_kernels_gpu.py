@@ -80,6 +80,12 @@ def test_route_picks(dtype: torch.dtype) -> None:
     h.check_route_picks(DEVICE, dtype)
 
 
+def test_one_tables_map_kernel() -> None:
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    h.check_map_to_rows(DEVICE, one_table.map_to_rows)
+
+
 def test_route_picks_on_fractional_counts_is_exact() -> None:
     h.check_count_rounding(DEVICE)
 

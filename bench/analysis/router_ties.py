@@ -3,9 +3,10 @@
 """How often the router's k-th and (k+1)-th logits tie in BF16 on a make-test-model checkpoint,
 and how often such a tie mixes a host expert and a GPU expert of a cold file.
 
-Why: the top-k kernel breaks ties by index. offload-03 permutes the gate so that router ids
-are table rows (GPU rows first, host rows last), so a tie between a host and a GPU expert can
-pick another expert than the unpatched server, which breaks ties by original expert id.
+Why: the top-k kernel breaks ties by index. offload-03 used to permute the gate so that router
+ids were table rows (GPU rows first, host rows last), so a tie between a host and a GPU expert
+could pick another expert than the unpatched server, which breaks ties by original expert id.
+This count is why offload-03 now leaves the gate alone and maps the router's ids to rows.
 
     .venv/bin/python bench/analysis/router_ties.py MODEL COLD_FILE
 """

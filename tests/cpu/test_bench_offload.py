@@ -17,16 +17,24 @@ import pytest
 RAW = "bench/results/raw/2026-12-01-offload-bench-h200"
 
 
+def from_runs_cmd(repo_root, tmp, runs, out, *args, layers: int = 8) -> list[str]:
+    """bench-offload --from-runs RUNS ... --out OUT on a weightless test model of `layers`
+    layers made under `tmp` (once)."""
+    model = tmp / f"target-int4-{layers}l"
+    if not model.exists():
+        tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+        make = [*tool, "--layers", str(layers), "--no-weights"]
+        subprocess.run(make, check=True, capture_output=True)
+    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
+    return [*cmd, "--from-runs", str(runs), *args, "--out", str(out)]
+
+
 @pytest.fixture(scope="module")
 def report(repo_root, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    model = tmp / "target-int4-8l"
-    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
-    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
     out = tmp / "suite.json"
-    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
-    cmd += ["--from-runs", str(repo_root / RAW), "--ran-as", "x", "--ran-at", "y"]
-    cmd += ["--host-read-us", "55.7", "--out", str(out)]
+    args = ["--ran-as", "x", "--ran-at", "y", "--host-read-us", "55.7"]
+    cmd = from_runs_cmd(repo_root, tmp, repo_root / RAW, out, *args)
     subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
     return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
@@ -90,14 +98,10 @@ def test_config_specs():
 
 
 def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path):
-    model = tmp_path / "target-int4-8l"
-    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
-    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
     (tmp_path / "empty").mkdir()
     out = tmp_path / "sweep.json"
-    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
-    cmd += ["--from-runs", str(tmp_path / "empty"), "--configs", "unpatched,offload-03-swap"]
-    cmd += ["--sweep", "0.05,0.125,0.4", "--out", str(out)]  # 0.125: the default 64
+    args = ["--configs", "unpatched,offload-03-swap", "--sweep", "0.05,0.125,0.4"]  # 0.125: 64
+    cmd = from_runs_cmd(repo_root, tmp_path, tmp_path / "empty", out, *args)
     subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
     doc = json.loads(out.read_text())
     assert doc["not_run"] == [
@@ -135,17 +139,15 @@ def test_agreement_with_unpatched():
 def test_the_offload03_suite_run_with_variants(repo_root, tmp_path):
     """Run b of 2026-12-01 re-assembled from its engine runs: offload-03 and its swap, the
     0004 A/B through another tree, the counting hook, each checked against unpatched."""
-    model = tmp_path / "target-int4-8l"
-    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
-    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
     specs = (
         "unpatched,offload-03-swap,offload-03,offload-02,offload-02@/tmp/vllm-p0003,"
         "offload-03-swap+churn,offload-02+count"
     )
     out = tmp_path / "b.json"
-    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
-    cmd += ["--from-runs", str(repo_root / "bench/results/raw/2026-12-01-offload03-bench-b-h200")]
-    cmd += ["--configs", specs, "--host-read-us", "55.7", "--out", str(out)]
+    runs = repo_root / "bench/results/raw/2026-12-01-offload03-bench-b-h200"
+    cmd = from_runs_cmd(
+        repo_root, tmp_path, runs, out, "--configs", specs, "--host-read-us", "55.7"
+    )
     subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
     doc = json.loads(out.read_text())
     rows = {(r.get("variant", r["config"]), r["workload"]): r for r in doc["runs"]}
@@ -180,13 +182,9 @@ def test_rounds_pair_each_configuration_with_the_unpatched_run_of_its_round(repo
             if "decode_tok_s" in task:
                 task["decode_tok_s"] = [x * scale[name] for x in task["decode_tok_s"]]
         (runs / src.name.replace(f"bench-{name}-", f"bench-{name}-r2-")).write_text(json.dumps(doc))
-    model = tmp_path / "target-int4-8l"
-    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
-    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
     out = tmp_path / "rounds.json"
-    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
-    cmd += ["--from-runs", str(runs), "--configs", "unpatched,offload-02", "--rounds", "2"]
-    cmd += ["--out", str(out)]
+    args = ["--configs", "unpatched,offload-02", "--rounds", "2"]
+    cmd = from_runs_cmd(repo_root, tmp_path, runs, out, *args)
     subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
     doc = json.loads(out.read_text())
     rows = {(r["config"], r["workload"]): r for r in doc["runs"]}
@@ -261,13 +259,10 @@ def test_paired_runs_take_their_ratio_from_their_own_unpatched_engine(repo_root,
     [off] = [f for f in raw.glob("bench-offload-02-*.json") if "config" not in f.name]
     (runs / "bench-unpatched-for-offload-02-0123456789abcdef.json").write_text(base.read_text())
     (runs / "bench-offload-02-fedcba9876543210.json").write_text(off.read_text())
-    model = tmp_path / "target-int4-8l"
-    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
-    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
     out = tmp_path / "paired.json"
-    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
-    cmd += ["--from-runs", str(runs), "--paired", "--configs", "unpatched,offload-02"]
-    cmd += ["--out", str(out)]
+    cmd = from_runs_cmd(
+        repo_root, tmp_path, runs, out, "--paired", "--configs", "unpatched,offload-02"
+    )
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {x["config"]: x for x in json.loads(out.read_text())["runs"]}
@@ -286,14 +281,10 @@ def test_a_paired_run_with_gzip_compressed_results(repo_root, tmp_path):
     100 KB each); --from-runs reads them and takes each ratio within its pair."""
     raw = repo_root / "bench/results/raw/2026-12-01-paired-16l-bench-h200"
     assert list(raw.glob("bench-offload-03-swap-*.json.gz"))
-    model = tmp_path / "target-int4-16l"
-    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
-    subprocess.run([*tool, "--layers", "16", "--no-weights"], check=True, capture_output=True)
     out = tmp_path / "paired.json"
-    cmd = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(model)]
-    cmd += ["--from-runs", str(raw), "--paired", "--decide-ab", "--decode-tokens", "256"]
-    cmd += ["--configs", "unpatched,offload-03-swap,offload-03", "--host-experts-per-layer"]
-    cmd += ["51", "--host-layers", "0,1", "--out", str(out)]
+    args = ["--paired", "--decide-ab", "--decode-tokens", "256", "--host-experts-per-layer"]
+    args += ["51", "--host-layers", "0,1", "--configs", "unpatched,offload-03-swap,offload-03"]
+    cmd = from_runs_cmd(repo_root, tmp_path, raw, out, *args, layers=16)
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())

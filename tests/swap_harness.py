@@ -272,8 +272,14 @@ class Integrity:
                 f"{where}: layer {i}: expert_to_row is not the inverse of row_to_expert"
             )
             src = self.expert_row0[i][perm]  # start row of the expert at each row
+            picked = router_experts(self.hidden[i], lt.gate, self.k)
+            assert np.array_equal(picked, self.start_router[i]), (
+                f"{where}: layer {i}: the router picks other experts than before"
+            )
+            routed_rows = routes[picked].ravel()
+            first_rows = self.expert_row0[i][picked].ravel()
             for t, tensor in enumerate(lt.tensors):
-                now = row_bytes(tensor)
+                now = row_bytes(tensor)  # one device-to-host copy per tensor and check
                 start = self.start_rows[i][t]
                 assert sorted(now) == sorted(start), (
                     f"{where}: layer {i} tensor {t} lost or duplicated a row"
@@ -283,22 +289,14 @@ class Integrity:
                     f"{where}: layer {i} tensor {t} rows {wrong[:5]} do not hold "
                     f"their expert (row_to_expert out of step, or a partial move)"
                 )
+                # the rows the router's picks are routed to hold those experts' bytes
+                routed = [now[r] for r in routed_rows]
+                assert routed == [start[r] for r in first_rows], (
+                    f"{where}: layer {i} tensor {t}: a pick is routed to another expert's row"
+                )
             assert padding_bytes(lt) == self.start_padding[i], (
                 f"{where}: layer {i}: bytes between strided rows changed"
             )
-            picked = router_experts(self.hidden[i], lt.gate, self.k)
-            assert np.array_equal(picked, self.start_router[i]), (
-                f"{where}: layer {i}: the router picks other experts than before"
-            )
-            # the rows the router's picks are routed to hold those experts' bytes
-            first_rows = self.expert_row0[i][picked]
-            for t, tensor in enumerate(lt.tensors):
-                now = row_bytes(tensor)
-                start = self.start_rows[i][t]
-                routed = [now[r] for r in routes[picked].ravel()]
-                assert routed == [start[r] for r in first_rows.ravel()], (
-                    f"{where}: layer {i} tensor {t}: a pick is routed to another expert's row"
-                )
 
 
 def run_swaps(

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The GPU correctness tests' verdict (eotools.logprob_noise), on small hand-made runs and on
+the engine runs the H200 produced on 2026-12-01 (committed under bench/results/raw/): the
+configurations that keep the unpatched order of sums pass at the noise itself, the two that
+reorder sums exceed it and pass within the stated tolerance, and a small fault fails.
+
+    scripts/test tests/cpu/test_logprob_noise.py
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import pathlib
+
+import pytest
+from eotools import logprob_noise as lp
+
+RAW = pathlib.Path(__file__).resolve().parents[2] / "bench/results/raw"
+NOISE_RUNS = RAW / "2026-12-01-int4-8l-unpatched-noise-h200"
+SESSION_E = RAW / "2026-12-01-gpu-session-e-h200/runs"
+
+
+def _run(token_ids, logprobs, prompt_logprobs) -> dict:
+    out = {"token_ids": token_ids, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    return {"tasks": {"c1": {"outputs": [out]}, "c2": {"outputs": [copy.deepcopy(out)]}}}
+
+
+def test_diff_runs_counts_every_decode_and_prompt_token_of_both_tasks():
+    a = _run([1, 2], [-0.5, -1.0], [None, -2.0, -3.0])
+    b = _run([1, 2], [-0.5, -1.25], [None, -2.5, -3.0])
+    d = lp.diff_runs(a, b)
+    assert d["tokens_identical"]
+    assert d["decode_max"] == 0.25 and d["decode_mean"] == pytest.approx(0.125)
+    assert d["prompt_max"] == 0.5 and d["prompt_mean"] == pytest.approx(0.25)
+    b["tasks"]["c2"]["outputs"][0]["token_ids"] = [1, 3]
+    assert not lp.diff_runs(a, b)["tokens_identical"]
+
+
+def test_failures_name_each_statistic_past_the_noise_times_the_tolerance():
+    noise = {"decode_max": 0.05, "decode_mean": 0.002, "prompt_max": 0.1, "prompt_mean": 0.001}
+    d = {"tokens_identical": True, **noise, "decode_max": 0.07, "prompt_mean": 0.0015}
+    assert lp.failures(d, noise) == [
+        "decode_max 0.07 > 1 x unpatched noise 0.05",
+        "prompt_mean 0.0015 > 1 x unpatched noise 0.001",
+    ]
+    assert lp.failures(d, noise, 2.0) == []
+    assert lp.failures({**d, "tokens_identical": False}, noise, 2.0) == [
+        "greedy tokens differ from the unpatched server"
+    ]
+    with pytest.raises(ValueError, match="stricter than the noise"):
+        lp.failures(d, noise, 0.5)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="at least one pair"):
+        lp.noise({})
+    empty = _run([], [], [None])
+    with pytest.raises(ValueError, match="no decode or no prompt logprobs"):
+        lp.diff_runs(empty, empty)
+
+
+def _load(folder: pathlib.Path, name: str) -> dict:
+    # the harness names a run NAME-KEY, KEY 16 hex digits
+    (path,) = (p for p in folder.glob(f"{name}-*.json.gz") if len(p.name) == len(name) + 25)
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def h200():
+    """The five unpatched INT4 runs (session d) and session e's offload runs, as the GPU test
+    pairs them."""
+    u = {
+        n: _load(NOISE_RUNS, f"int4-unpatched-{n}")
+        for n in ("2048", "2048-again", "2048-third", "512", "2048-rebatched")
+    }
+    noise = lp.noise(
+        {
+            "same_config": (u["2048"], u["2048-again"]),
+            "same_config_2": (u["2048"], u["2048-third"]),
+            "same_config_3": (u["2048-again"], u["2048-third"]),
+            "prefill_chunk": (u["2048"], u["512"]),
+            "batching": (u["2048"], u["2048-rebatched"]),
+        }
+    )
+    return u, noise
+
+
+@pytest.mark.parametrize(
+    "name, unpatched, reorders",
+    [
+        ("int4-offload01-2048", "2048", False),
+        ("int4-onetable-swap-off-2048", "2048", False),
+        ("int4-offload02-2048", "2048", True),
+        ("int4-offload02-512", "512", True),
+        ("int4-onetable-swap-every-step-2048", "2048", True),
+    ],
+)
+def test_h200_runs_pass_at_the_noise_or_within_the_tolerance_when_sums_reorder(
+    h200, name, unpatched, reorders
+):
+    u, noise = h200
+    d = lp.diff_runs(_load(SESSION_E, name), u[unpatched])
+    assert d["tokens_identical"]
+    if not reorders:
+        assert lp.failures(d, noise) == []
+        return
+    # measured: these exceed the unpatched noise (the reason for the tolerance) ...
+    assert lp.failures(d, noise) != []
+    # ... and stay within the tolerance, with room to spare on every statistic
+    assert lp.failures(d, noise, lp.REORDERED_SUM_TOLERANCE) == []
+    assert all(d[k] <= 0.9 * lp.REORDERED_SUM_TOLERANCE * noise[k] for k in lp.STATS)
+
+
+def test_a_small_fault_in_a_few_tokens_fails_even_with_the_tolerance(h200):
+    """One wrong expert row in one layer, for a few tokens, moves their logprobs by tenths,
+    not by whole units: 0.3 on five decode tokens is past twice the noise's maximum."""
+    u, noise = h200
+    run = copy.deepcopy(_load(SESSION_E, "int4-onetable-swap-every-step-2048"))
+    lps = run["tasks"]["c1"]["outputs"][0]["logprobs"]
+    for i in range(5, 10):
+        lps[i] -= 0.3
+    problems = lp.failures(lp.diff_runs(run, u["2048"]), noise, lp.REORDERED_SUM_TOLERANCE)
+    assert problems and problems[0].startswith("decode_max 0.3")

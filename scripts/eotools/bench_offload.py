@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ran-as", help="with --from-runs: the command that made the engine runs")
     ap.add_argument("--ran-at", help="with --from-runs: when the engine runs were made")
     args = ap.parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.paired and not args.from_runs:
         os.environ.setdefault("EO_GPU_MEMORY_UTILIZATION", "0.35")  # two engines per GPU
 
@@ -537,6 +538,12 @@ def agreement(res: dict, base: dict | None, workload: str) -> dict:
     }
 
 
+def _vram_bytes(mem: dict) -> int:
+    """The engine process's VRAM where the driver reported it, else the device's used memory
+    (runs made before 2026-12-01's session e have only that)."""
+    return mem.get("process_vram_bytes") or mem["device_used_bytes"]
+
+
 def _run_row(
     name: str, workload: str, res: dict, base: dict | None, host_read_us: float | None = None
 ) -> dict:
@@ -573,7 +580,12 @@ def _run_row(
         "host_reads_source": source,
         "swaps_per_token": swaps,
         "startup_s": res["startup_s"],
-        "peak_vram_gib": mem["device_used_bytes"] / GiB,
+        "peak_vram_gib": _vram_bytes(mem) / GiB,
+        "vram_source": (
+            "this engine's process (driver accounting, after load and graph capture)"
+            if mem.get("process_vram_bytes")
+            else "the whole device (after load; with --paired, both engines)"
+        ),
         "peak_host_gib": mem["host_peak_rss_bytes"] / GiB,
         "expert_host_gib": mem["expert_host_bytes"] / GiB,
         "expert_gpu_gib": mem["expert_gpu_bytes"] / GiB,

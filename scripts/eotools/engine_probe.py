@@ -99,6 +99,31 @@ def _vm_hwm_bytes() -> int:
     return 0
 
 
+def process_vram_bytes(pid: int | None = None) -> int | None:
+    """VRAM this process holds (CUDA context, torch's pool, graphs and VMM mappings), from
+    the driver's per-process accounting; None where the driver does not list the process
+    (another PID namespace). The device-wide used memory is no substitute when two engines
+    share the GPU (bench-offload --paired): it counts both."""
+    import subprocess
+
+    pid = os.getpid() if pid is None else pid
+    try:
+        lines = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in lines:
+        fields = [x.strip() for x in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
+            return int(fields[1]) * 1024 * 1024  # MiB
+    return None
+
+
 def _expert_placement(model) -> dict[str, Any]:
     """Bytes of routed-expert parameters on the GPU and in host memory (UVA arenas)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
@@ -380,6 +405,7 @@ def run(config: dict) -> dict:
         "torch_allocated_bytes": torch.cuda.memory_allocated(),
         "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
         "device_used_bytes": total - free,
+        "process_vram_bytes": process_vram_bytes(),
         "host_peak_rss_bytes_after_load": _vm_hwm_bytes(),
     }
     BATON.ready()

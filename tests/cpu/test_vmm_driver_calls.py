@@ -561,3 +561,23 @@ def test_missing_cuda_python_names_the_fix(monkeypatch):
     with pytest.raises(vmm.VmmError, match="pip install cuda-bindings"):
         vmm._driver()
     assert vmm.probe_host_mapping(DEVICE) is not None
+
+
+def test_one_table_puts_every_gpu_row_of_every_tensor_in_vram(fake, monkeypatch):
+    """One table's allocator rounds each tensor's VRAM part up, not down: with small rows
+    (a layer's scales, 25,600 B here) rounding 461 rows' bytes down to the granularity
+    would leave the last 52 of them in host memory, read over PCIe but counted as VRAM
+    rows by the swap policy and the counters."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.expert_offload.one_table import vmm_allocator
+
+    monkeypatch.setattr(vmm.SplitTable, "row_view", lambda self, dtype, shape: None)
+    row, g = 10 * 1280 * 2, 461  # bf16 [10, 1280]
+    assert g * row // GRAN * GRAN // row == 409  # what rounding down would keep
+    for rows, gpu_rows in ((512, g), (512, 0), (512, 512), (3, 1)):
+        _, t = vmm_allocator(rows, gpu_rows, (10, 1280), torch.bfloat16, torch.device("cuda", 0))
+        assert t.gpu_rows >= gpu_rows
+        assert t.gpu_bytes < gpu_rows * row + GRAN  # at most one granule over the rows
+        assert t.gpu_bytes + t.host_bytes == _round_up(rows * row, GRAN)
+        t.close()
+    fake.assert_clean()

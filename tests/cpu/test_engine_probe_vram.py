@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine probe's VRAM figure is the engine process's own (driver accounting), not the
+device's used memory, which counts both engines of a paired benchmark; where the driver does
+not list the process, it says so (None) and the report falls back to the device figure.
+
+    scripts/test tests/cpu/test_engine_probe_vram.py
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from eotools import bench_offload, engine_probe
+
+
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch):
+    def install(stdout: str, rc: int = 0) -> None:
+        tool = tmp_path / "nvidia-smi"
+        tool.write_text(f"#!/bin/sh\ncat <<'END'\n{stdout}\nEND\nexit {rc}\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+    return install
+
+
+def test_the_process_row_is_read_in_mib(fake_smi):
+    fake_smi(f"4242, 30000\n{os.getpid()}, 20480")
+    assert engine_probe.process_vram_bytes() == 20480 * 1024 * 1024
+    assert engine_probe.process_vram_bytes(4242) == 30000 * 1024 * 1024
+
+
+def test_a_process_the_driver_does_not_list_or_a_failing_tool_gives_none(fake_smi):
+    fake_smi("4242, 30000")
+    assert engine_probe.process_vram_bytes() is None
+    fake_smi(f"{os.getpid()}, [N/A]")
+    assert engine_probe.process_vram_bytes() is None
+    fake_smi("", rc=9)
+    assert engine_probe.process_vram_bytes() is None
+
+
+def test_the_report_prefers_the_process_figure():
+    gib = 1 << 30
+    assert (
+        bench_offload._vram_bytes({"process_vram_bytes": 20 * gib, "device_used_bytes": 50 * gib})
+        == 20 * gib
+    )
+    assert (
+        bench_offload._vram_bytes({"process_vram_bytes": None, "device_used_bytes": 50 * gib})
+        == 50 * gib
+    )
+    assert bench_offload._vram_bytes({"device_used_bytes": 50 * gib}) == 50 * gib

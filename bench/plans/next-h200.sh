@@ -35,11 +35,13 @@ scripts/gpu-suite --budget-s 560 --out "$R/p1" \
 # session d (offload-03-swap was 0.18 ms/token slower than unpatched on repeated prompts with
 # 0.02 host reads/token): with swap, without swap, and with swap counting and deciding but
 # never swapping (+hold), each beside an unpatched engine of its own taking turns request by
-# request; then vLLM's --cpu-offload-gb with the same host bytes (issues 3 and 6). A pair that
+# request; then vLLM's --cpu-offload-gb with the same host bytes (issues 3 and 6). --profile:
+# every engine also profiles two decodes alone on the GPU (GPU busy vs wall time per token,
+# kernel by kernel against its partner), which says where the missing time goes. A pair that
 # does not finish leaves its engine runs; the report is rebuilt from them (--from-runs).
 mkdir -p "$R/p2"
 PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench-host-read \
   --out "$R/p2/host_read.json" > "$R/p2/host_read.log" 2>&1
 scripts/gpu-suite --budget-s 900 --out "$R/p2" \
-  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03,offload-03-swap+hold,cpu-offload-gb --paired --decode-tokens 256 --repeats 3 --host-read-us 55.5 --out OUT/reference.json"
+  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03,offload-03-swap+hold,cpu-offload-gb --paired --profile --decode-tokens 256 --repeats 3 --host-read-us 55.5 --out OUT/reference.json"
 date -u +%FT%TZ > "$R/done"

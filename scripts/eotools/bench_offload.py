@@ -140,6 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         "once with no decisions, request by request in alternating order (robust to the "
         "host changing speed during the run)",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="in every engine (paired partners too), also profile the decode of two fresh "
+        "prompts, alone on the GPU: wall time and GPU busy time per token, and each kernel's "
+        "time per token, beside the unpatched partner's (where a configuration loses time; "
+        "the profiler slows the host, so these wall times are not the benchmark's)",
+    )
     ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
     ap.add_argument(
         "--from-runs",
@@ -215,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
+    if args.profile:
+        tasks.append(profile_task(prompts, args.decode_tokens))
     results, not_run, failed = {}, [], {}
     host_bytes: dict[int, int] = {}  # measured bytes on host, by host experts per layer
     ran_model = args.model.name
@@ -380,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             for (spec, rnd), res in results.items()
             if "decide_ab" in res["tasks"]
         },
+        "profiles": profiles(results),
         "not_run": not_run,
         "failed": failed,
     }
@@ -425,6 +436,79 @@ def _from_runs(folder: pathlib.Path, label: str) -> dict | None:
 def _read_maybe_gzip(path: pathlib.Path) -> str:
     data = path.read_bytes()
     return (gzip.decompress(data) if path.suffix == ".gz" else data).decode()
+
+
+def profile_task(prompts: list, decode_tokens: int) -> dict:
+    """engine_probe's decode_profile on the first two fresh prompts."""
+    return {
+        "kind": "decode_profile",
+        "name": "profile",
+        "prompts": prompts[:2],
+        "max_tokens": decode_tokens,
+    }
+
+
+def profiles(results: dict) -> dict:
+    """Each engine's decode profile (--profile), a paired configuration's partner as
+    'unpatched beside CONFIG'."""
+    out = {}
+    for (spec, rnd), res in results.items():
+        suffix = f" (round {rnd})" if rnd > 1 else ""
+        if "profile" in res["tasks"] and res["spec"]["config"] != "unpatched":
+            out[spec + suffix] = res["tasks"]["profile"]
+        base = res.get("paired_base")
+        if base is not None and "profile" in base["tasks"]:
+            out[f"unpatched beside {spec}{suffix}"] = base["tasks"]["profile"]
+        elif spec == "unpatched" and "profile" in res["tasks"]:
+            out["unpatched" + suffix] = res["tasks"]["profile"]
+    return out
+
+
+def profile_lines(doc: dict, top: int = 6) -> list[str]:
+    """The --profile section of the report: per engine, wall and GPU busy time per token;
+    per paired configuration, the kernels whose time per token differs most from its
+    partner's."""
+    profs = doc.get("profiles") or {}
+    if not profs:
+        return []
+    lines = [
+        "",
+        "Decode profiles (torch profiler, CUDA activity; the profiler slows the host, so wall "
+        "times compare only with each other):",
+        "",
+        "| engine | tokens | wall us/token | GPU busy us/token | GPU idle "
+        "| largest kernels, us/token |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, p in profs.items():
+        if "error" in p:
+            lines.append(f"| {label} | - | - | - | - | profile failed: {p['error']} |")
+            continue
+        big = ", ".join(f"`{k['name'][:40]}` {k['us_per_token']:.1f}" for k in p["kernels"][:3])
+        lines.append(
+            f"| {label} | {p['tokens']} | {p['wall_us_per_token']:.1f} | "
+            f"{p['gpu_busy_us_per_token']:.1f} | {p['gpu_idle_fraction']:.1%} | {big} |"
+        )
+    for label, p in profs.items():
+        base = profs.get(f"unpatched beside {label}")
+        if label.startswith("unpatched") or base is None or "error" in p or "error" in base:
+            continue
+        mine = {k["name"]: k["us_per_token"] for k in p["kernels"]}
+        theirs = {k["name"]: k["us_per_token"] for k in base["kernels"]}
+        diff = sorted(
+            ((n, mine.get(n, 0.0) - theirs.get(n, 0.0)) for n in mine.keys() | theirs.keys()),
+            key=lambda x: -abs(x[1]),
+        )[:top]
+        busy = p["gpu_busy_us_per_token"] - base["gpu_busy_us_per_token"]
+        wall = p["wall_us_per_token"] - base["wall_us_per_token"]
+        lines += [
+            "",
+            f"{label} minus its unpatched partner: wall {wall:+.1f} us/token, GPU busy "
+            f"{busy:+.1f} us/token; kernels: "
+            + ", ".join(f"`{n[:60]}` {d:+.1f}" for n, d in diff)
+            + ".",
+        ]
+    return lines
 
 
 def decide_ab_task(prompts: list, decode_tokens: int, repeats: int) -> dict:
@@ -657,6 +741,7 @@ def markdown(doc: dict) -> str:
             + ", ".join(f"{n} {v:.3f} ms" for n, v in p50.items())
             + ".",
         ]
+    lines += profile_lines(doc)
     for spec, err in doc.get("failed", {}).items():
         lines += ["", f"FAILED: {spec}: `{err.strip().splitlines()[0] if err.strip() else ''}`"]
     if doc.get("not_run"):

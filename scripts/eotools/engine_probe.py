@@ -346,11 +346,93 @@ def _decode_ab(llm, task: dict) -> dict:
     }
 
 
+def kernel_summary(intervals: list[tuple[str, float, float]], tokens: int) -> dict:
+    """GPU time per decoded token from kernel intervals (name, start us, end us): busy time
+    as the union of the intervals (kernels of two streams that overlap count once), and per
+    kernel name its launches and time, largest first."""
+    if tokens <= 0:
+        raise ValueError(f"no decoded tokens to divide by ({tokens})")
+    busy, end = 0.0, float("-inf")
+    per_name: dict[str, list[float]] = {}
+    for name, t0, t1 in sorted(intervals, key=lambda x: x[1]):
+        if t1 > end:
+            busy += t1 - max(t0, end)
+            end = t1
+        acc = per_name.setdefault(name, [0, 0.0])
+        acc[0] += 1
+        acc[1] += t1 - t0
+    kernels = [
+        {"name": n[:160], "launches_per_token": c / tokens, "us_per_token": t / tokens}
+        for n, (c, t) in sorted(per_name.items(), key=lambda kv: -kv[1][1])
+    ]
+    return {"gpu_busy_us_per_token": busy / tokens, "kernels": kernels}
+
+
+def _decode_profile(llm, task: dict) -> dict:
+    """Where a decode step's time goes. Per prompt, one request whose decode (after its first
+    token) runs under the torch profiler, CUDA activity only, alone on the GPU (this task
+    holds the baton of a paired run throughout). Reports per decoded token the wall time,
+    the GPU's busy time and each kernel's time; busy time well under the wall time means the
+    host sets the pace, not the GPU. The profiler adds host time of its own: compare wall
+    times only between engines profiled alike. A profiler that fails is reported, not raised
+    (the engine's other results are kept)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    params = _stream_params(task["max_tokens"])
+    intervals: list[tuple[str, float, float]] = []
+    wall_s, tokens = 0.0, 0
+    try:
+        for pi, prompt in enumerate([task["prompts"][0], *task["prompts"]]):  # 1st: warm-up
+            engine.add_request(f"prof-{pi}", {"prompt_token_ids": prompt}, params)
+            first = 0
+            while first == 0 and engine.has_unfinished_requests():
+                for out in engine.step():
+                    first = len(out.outputs[0].token_ids)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                t0, last = time.perf_counter(), first
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        last = len(out.outputs[0].token_ids)
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+            if pi == 0:
+                continue
+            wall_s += t1 - t0
+            tokens += last - first
+            kernels = [
+                (e.name, e.time_range.start, e.time_range.end)
+                for e in prof.events()
+                if e.device_type == DeviceType.CUDA
+            ]
+            if kernels:  # each profile has a clock of its own: lay them end to end
+                shift = (max(x[2] for x in intervals) + 1 if intervals else 0) - min(
+                    x[1] for x in kernels
+                )
+                intervals += [(n, a + shift, b + shift) for n, a, b in kernels]
+        if not intervals:
+            return {"error": "the profiler recorded no GPU activity (CUPTI unavailable?)"}
+        out = kernel_summary(intervals, tokens)
+    except Exception as e:  # noqa: BLE001 - reported in the result, see the docstring
+        return {"error": f"{type(e).__name__}: {e}"}
+    wall_us = wall_s / tokens * 1e6
+    return {
+        "tokens": tokens,
+        "wall_us_per_token": wall_us,
+        **out,
+        "gpu_idle_fraction": max(0.0, 1 - out["gpu_busy_us_per_token"] / wall_us),
+    }
+
+
 TASKS = {
     "greedy": _greedy,
     "decode_timing": _decode_timing,
     "ttft": _ttft,
     "decode_ab": _decode_ab,
+    "decode_profile": _decode_profile,
 }
 
 

@@ -8,7 +8,7 @@
 #
 # Expected (30 min of device time, about 3 of them for installs and models): phase 1 at most
 # 9.5 min (the first engine compiles, about 4 min; then about 70 s per engine); phase 2 at most
-# 15 min (four pairs of 16-layer engines, about 3.5 min each).
+# 15 min (three pairs of 16-layer engines, about 3.5 min each, then two profiled engines).
 set -u
 # shellcheck source=bench/plans/common.sh
 source "$(dirname "$0")/common.sh"
@@ -31,17 +31,19 @@ done
 scripts/gpu-suite --budget-s 560 --out "$R/p1" \
   'tests:tests/gpu/test_swap_kernels_gpu.py -rA -s' \
   "tests:$T::test_int4_one_table_matches_unpatched -rA -s"
-# phase 2, alone: the host-read cost, then issue 4's speed targets and the missing time of
+# phase 2, alone: the host-read cost; issue 4's speed targets and the missing time of
 # session d (offload-03-swap was 0.18 ms/token slower than unpatched on repeated prompts with
 # 0.02 host reads/token): with swap, without swap, and with swap counting and deciding but
 # never swapping (+hold), each beside an unpatched engine of its own taking turns request by
-# request; then vLLM's --cpu-offload-gb with the same host bytes (issues 3 and 6). --profile:
-# every engine also profiles two decodes alone on the GPU (GPU busy vs wall time per token,
-# kernel by kernel against its partner), which says where the missing time goes. A pair that
-# does not finish leaves its engine runs; the report is rebuilt from them (--from-runs).
-mkdir -p "$R/p2"
+# request (about 11 min). Then, apart, so that a profiler failure cannot cost the pairs:
+# unpatched and offload-03-swap with --profile (GPU busy vs wall time per token, kernel by
+# kernel), which says whether the missing time is the GPU's or the host's step loop. A step
+# cut off leaves its engine runs; the report is rebuilt from them (--from-runs).
+mkdir -p "$R/p2" "$R/p3"
 PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench-host-read \
   --out "$R/p2/host_read.json" > "$R/p2/host_read.log" 2>&1
-scripts/gpu-suite --budget-s 900 --out "$R/p2" \
-  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03,offload-03-swap+hold,cpu-offload-gb --paired --profile --decode-tokens 256 --repeats 3 --host-read-us 55.5 --out OUT/reference.json"
+scripts/gpu-suite --budget-s 660 --out "$R/p2" \
+  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap,offload-03,offload-03-swap+hold --paired --decode-tokens 256 --repeats 3 --host-read-us 55.5 --out OUT/reference.json"
+scripts/gpu-suite --budget-s 220 --out "$R/p3" \
+  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-03-swap --profile --decode-tokens 256 --repeats 1 --host-read-us 55.5 --out OUT/profile.json"
 date -u +%FT%TZ > "$R/done"

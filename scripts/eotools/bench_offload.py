@@ -466,8 +466,8 @@ def profiles(results: dict) -> dict:
 
 def profile_lines(doc: dict, top: int = 6) -> list[str]:
     """The --profile section of the report: per engine, wall and GPU busy time per token;
-    per paired configuration, the kernels whose time per token differs most from its
-    partner's."""
+    per configuration, the kernels whose time per token differs most from its unpatched
+    partner's (--paired), else from the unpatched engine's."""
     profs = doc.get("profiles") or {}
     if not profs:
         return []
@@ -490,7 +490,7 @@ def profile_lines(doc: dict, top: int = 6) -> list[str]:
             f"{p['gpu_busy_us_per_token']:.1f} | {p['gpu_idle_fraction']:.1%} | {big} |"
         )
     for label, p in profs.items():
-        base = profs.get(f"unpatched beside {label}")
+        base = profs.get(f"unpatched beside {label}") or profs.get("unpatched")
         if label.startswith("unpatched") or base is None or "error" in p or "error" in base:
             continue
         mine = {k["name"]: k["us_per_token"] for k in p["kernels"]}
@@ -503,7 +503,7 @@ def profile_lines(doc: dict, top: int = 6) -> list[str]:
         wall = p["wall_us_per_token"] - base["wall_us_per_token"]
         lines += [
             "",
-            f"{label} minus its unpatched partner: wall {wall:+.1f} us/token, GPU busy "
+            f"{label} minus unpatched: wall {wall:+.1f} us/token, GPU busy "
             f"{busy:+.1f} us/token; kernels: "
             + ", ".join(f"`{n[:60]}` {d:+.1f}" for n, d in diff)
             + ".",

@@ -157,7 +157,25 @@ def test_the_report_sets_each_configuration_beside_its_partner():
     assert "| offload-03-swap | 100 | 2000.0 | 1650.0 | 17.5% |" in text
     assert "| offload-02 | - | - | - | - | profile failed: no CUPTI |" in text
     assert (
-        "offload-03-swap minus its unpatched partner: wall +200.0 us/token, GPU busy "
+        "offload-03-swap minus unpatched: wall +200.0 us/token, GPU busy "
         "+150.0 us/token; kernels: `marlin` +100.0, `route_picks` +26.0, `attn` +0.0." in text
     )
     assert bench_offload.profile_lines({"profiles": {}}) == []
+
+
+def test_without_a_partner_the_unpatched_engine_of_the_run_is_the_reference():
+    ref = {
+        "spec": {"config": "unpatched"},
+        "tasks": {"profile": _prof(1800.0, 1500.0, [("marlin", 900.0)])},
+    }
+    one = {
+        "spec": {"config": "offload-03"},
+        "tasks": {"profile": _prof(1900.0, 1550.0, [("marlin", 950.0)])},
+    }
+    doc = {"profiles": bench_offload.profiles({("unpatched", 1): ref, ("offload-03", 1): one})}
+    assert list(doc["profiles"]) == ["unpatched", "offload-03"]
+    text = "\n".join(bench_offload.profile_lines(doc))
+    assert (
+        "offload-03 minus unpatched: wall +100.0 us/token, GPU busy +50.0 us/token; "
+        "kernels: `marlin` +50.0." in text
+    )

@@ -37,23 +37,12 @@ import numpy as np
 from . import gpu_harness as gh
 from .bench.configs import CONFIGS
 from .coldset import synthetic_cold_file
+from .nvsmi import gpu_name
 from .selection import expert_bytes
 from .testmodel import data
 from .testmodel.plant import Plan, load_plan
 
 GiB = 1 << 30
-
-
-def _gpu_name() -> str:
-    try:
-        return subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def host_reads_per_token(plan: Plan, prompts, outputs, host: dict[int, set[int]]) -> float:
@@ -370,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "suite": "bench-offload",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "gpu": _gpu_name(),
+        "gpu": gpu_name(),
         "command": "scripts/bench-offload " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": {
             "path": ran_model,

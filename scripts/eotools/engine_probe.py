@@ -104,21 +104,10 @@ def process_vram_bytes(pid: int | None = None) -> int | None:
     the driver's per-process accounting; None where the driver does not list the process
     (another PID namespace). The device-wide used memory is no substitute when two engines
     share the GPU (bench-offload --paired): it counts both."""
-    import subprocess
+    from .nvsmi import query
 
     pid = os.getpid() if pid is None else pid
-    try:
-        lines = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in lines:
-        fields = [x.strip() for x in line.split(",")]
+    for fields in query("--query-compute-apps=pid,used_memory") or []:
         if len(fields) == 2 and fields[0] == str(pid) and fields[1].isdigit():
             return int(fields[1]) * 1024 * 1024  # MiB
     return None
@@ -439,7 +428,7 @@ TASKS = {
 def machine() -> dict[str, Any]:
     """What makes one GPU host decode faster than another of the same GPU: the CPU (decode
     of small models is host-bound), the driver, the PCIe link and the clocks."""
-    import subprocess
+    from .nvsmi import query
 
     out: dict[str, Any] = {"cpus": os.cpu_count()}
     try:
@@ -452,18 +441,8 @@ def machine() -> dict[str, Any]:
         "name,driver_version,pcie.link.gen.current,pcie.link.width.current,"
         "clocks.sm,clocks.max.sm,clocks.mem"
     )
-    try:
-        line = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=30,
-        ).stdout.splitlines()[0]
-        values = [x.strip() for x in line.split(",")]
-        out["gpu"] = dict(zip(fields.split(","), values, strict=False))
-    except (OSError, subprocess.SubprocessError, IndexError):
-        out["gpu"] = None
+    rows = query(f"--query-gpu={fields}")
+    out["gpu"] = dict(zip(fields.split(","), rows[0], strict=False)) if rows else None
     return out
 
 

@@ -52,3 +52,12 @@ def test_the_report_prefers_the_process_figure():
         == 50 * gib
     )
     assert bench_offload._vram_bytes({"device_used_bytes": 50 * gib}) == 50 * gib
+
+
+def test_gpu_name_lists_each_model_once_and_is_unknown_without_the_tool(fake_smi, monkeypatch):
+    from eotools import nvsmi
+
+    fake_smi("NVIDIA H200\nNVIDIA H200")
+    assert nvsmi.gpu_name() == "NVIDIA H200"
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert nvsmi.gpu_name() == "unknown" and nvsmi.query("--query-gpu=name") is None

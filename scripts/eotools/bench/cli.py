@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import pathlib
 import shlex
-import subprocess
 import sys
 import time
 import urllib.error
@@ -36,23 +35,10 @@ import uuid
 import aiohttp
 from tqdm import tqdm
 
+from ..nvsmi import gpu_name
 from . import client, prom, report
 from . import metrics as m
 from .workloads import WORKLOADS, FilePrompts, PromptSource, SyntheticPrompts, requests
-
-
-def _gpu_name() -> str:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=20,
-        ).stdout.strip()
-        return ", ".join(sorted(set(out.splitlines()))) or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def _ints(text: str) -> list[int]:
@@ -400,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "suite": args.suite,
         "date": report.now_iso(),
-        "gpu": args.gpu or _gpu_name(),
+        "gpu": args.gpu or gpu_name(),
         "command": command,
         "server": args.url,
         "model": {"name": model, "prompts": source.describe},

@@ -117,7 +117,7 @@ def _expert_placement(model) -> dict[str, Any]:
     """Bytes of routed-expert parameters on the GPU and in host memory (UVA arenas)."""
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
 
-    gpu = host = 0
+    gpu = host = short = 0
     layers = one_table_layers = 0
     methods, kernels = set(), set()
     for m in model.modules():
@@ -130,9 +130,12 @@ def _expert_placement(model) -> dict[str, Any]:
             kernels.add(type(getattr(kernel, "fused_experts", kernel)).__name__)
         if "one_table" in m.__dict__:  # offload-03: the VMM ranges say where the rows are
             one_table_layers += 1
-            for owner in m.__dict__["one_table"].owners:
+            table = m.__dict__["one_table"]
+            for owner in table.owners:
                 gpu += getattr(owner, "gpu_bytes", 0)
                 host += getattr(owner, "host_bytes", 0)
+                # GPU rows whose bytes the range put in host memory (should be none)
+                short += max(0, table.gpu_rows - getattr(owner, "gpu_rows", table.gpu_rows))
             continue
         tables = [m]
         if "host_experts" in m.__dict__:
@@ -148,6 +151,7 @@ def _expert_placement(model) -> dict[str, Any]:
     return {
         "moe_layers": layers,
         "one_table_layers": one_table_layers,
+        "one_table_gpu_rows_in_host_memory": short,
         "expert_gpu_bytes": gpu,
         "expert_host_bytes": host,
         "moe_methods": sorted(methods),

@@ -61,3 +61,29 @@ def test_gpu_name_lists_each_model_once_and_is_unknown_without_the_tool(fake_smi
     assert nvsmi.gpu_name() == "NVIDIA H200"
     monkeypatch.setenv("PATH", "/nonexistent")
     assert nvsmi.gpu_name() == "unknown" and nvsmi.query("--query-gpu=name") is None
+
+
+def test_placement_counts_one_table_gpu_rows_that_sit_in_host_memory(monkeypatch):
+    """A one-table layer whose VMM range for a tensor holds fewer VRAM rows than the layer's
+    GPU experts (the scales before session e's fix) is counted, so a GPU test can require 0."""
+    import types
+
+    import torch
+    from vllm.model_executor.layers.fused_moe import routed_experts
+
+    class Experts(torch.nn.Module):
+        quant_method = object()
+
+    monkeypatch.setattr(routed_experts, "RoutedExperts", Experts)
+
+    def layer(vram_rows):
+        m = Experts()
+        owners = [types.SimpleNamespace(gpu_bytes=4, host_bytes=1, gpu_rows=r) for r in vram_rows]
+        m.__dict__["one_table"] = types.SimpleNamespace(gpu_rows=461, owners=owners)
+        return m
+
+    model = torch.nn.ModuleList([layer([460, 461, 450, 409]), layer([461, 462, 461, 461])])
+    out = engine_probe._expert_placement(model)
+    assert out["one_table_layers"] == out["moe_layers"] == 2
+    assert out["one_table_gpu_rows_in_host_memory"] == 1 + 11 + 52
+    assert (out["expert_gpu_bytes"], out["expert_host_bytes"]) == (32, 8)

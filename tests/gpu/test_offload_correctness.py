@@ -164,6 +164,8 @@ def test_int4_one_table_matches_unpatched(int4_model, int4_cold_file, int4_unpat
     run = _run(f"int4-onetable-swap-{swap}-2048", int4_model, True, 2048, env, stress_steps=stress)
     assert run["memory"]["one_table_layers"] == run["memory"]["moe_layers"]
     assert run["memory"]["expert_host_bytes"] > 0
+    # every GPU row of every tensor in VRAM (before 2026-12-01 session e's fix: 64 a layer)
+    assert run["memory"]["one_table_gpu_rows_in_host_memory"] == 0
     gh.log(f"int4 one table, swap {swap}: {json.dumps(run['swap'])}")
     if swap == "off":
         assert run["swap"] is None

@@ -2,6 +2,7 @@
 """The engine probe's VRAM figure is the engine process's own (driver accounting), not the
 device's used memory, which counts both engines of a paired benchmark; where the driver does
 not list the process, it says so (None) and the report falls back to the device figure.
+The probe's placement record counts one-table GPU rows whose bytes sit in host memory.
 
     scripts/test tests/cpu/test_engine_probe_vram.py
 """

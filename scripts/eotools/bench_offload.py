@@ -132,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="in every engine (paired partners too), also profile the decode of two fresh "
-        "prompts, alone on the GPU: wall time and GPU busy time per token, and each kernel's "
-        "time per token, beside the unpatched partner's (where a configuration loses time; "
-        "the profiler slows the host, so these wall times are not the benchmark's)",
+        help="in every engine (paired partners too), after the other tasks, also profile "
+        "the decode of the first two fresh prompts (decoded before by the fresh workload; "
+        "the first once more as a warm-up), alone on the GPU: wall time and GPU busy time "
+        "per token, and each kernel's time per token, beside the unpatched partner's (where "
+        "a configuration loses time; the profiler slows the host, so these wall times are "
+        "not the benchmark's)",
     )
     ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
     ap.add_argument(
@@ -441,7 +443,10 @@ def profiles(results: dict) -> dict:
     """Each engine's decode profile (--profile), a paired configuration's partner as
     'unpatched beside CONFIG'."""
     out = {}
+    partners = {id(r["paired_base"]) for r in results.values() if r.get("paired_base")}
     for (spec, rnd), res in results.items():
+        if id(res) in partners and res.get("paired_base") is None:
+            continue  # a partner, listed below as 'unpatched beside CONFIG'
         suffix = f" (round {rnd})" if rnd > 1 else ""
         if "profile" in res["tasks"] and res["spec"]["config"] != "unpatched":
             out[spec + suffix] = res["tasks"]["profile"]
@@ -471,9 +476,13 @@ def profile_lines(doc: dict, top: int = 6) -> list[str]:
     ]
     for label, p in profs.items():
         if "error" in p:
-            lines.append(f"| {label} | - | - | - | - | profile failed: {p['error']} |")
+            first = (p["error"].strip().splitlines() or [""])[0].replace("|", "\\|")
+            lines.append(f"| {label} | - | - | - | - | profile failed: {first} |")
             continue
         big = ", ".join(f"`{k['name'][:40]}` {k['us_per_token']:.1f}" for k in p["kernels"][:3])
+        reads = p.get("swap_delta", {}).get("host_reads")
+        if reads is not None:  # the runtime swap's counters over the task, warm-up included
+            big += f"; host reads in the task: {reads}"
         lines.append(
             f"| {label} | {p['tokens']} | {p['wall_us_per_token']:.1f} | "
             f"{p['gpu_busy_us_per_token']:.1f} | {p['gpu_idle_fraction']:.1%} | {big} |"

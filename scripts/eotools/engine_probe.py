@@ -351,11 +351,11 @@ def kernel_summary(intervals: list[tuple[str, float, float]], tokens: int) -> di
         if t1 > end:
             busy += t1 - max(t0, end)
             end = t1
-        acc = per_name.setdefault(name, [0, 0.0])
+        acc = per_name.setdefault(name[:160], [0, 0.0])  # long template names, cut once
         acc[0] += 1
         acc[1] += t1 - t0
     kernels = [
-        {"name": n[:160], "launches_per_token": c / tokens, "us_per_token": t / tokens}
+        {"name": n, "launches_per_token": c / tokens, "us_per_token": t / tokens}
         for n, (c, t) in sorted(per_name.items(), key=lambda kv: -kv[1][1])
     ]
     return {"gpu_busy_us_per_token": busy / tokens, "kernels": kernels}
@@ -367,8 +367,9 @@ def _decode_profile(llm, task: dict) -> dict:
     holds the baton of a paired run throughout). Reports per decoded token the wall time,
     the GPU's busy time and each kernel's time; busy time well under the wall time means the
     host sets the pace, not the GPU. The profiler adds host time of its own: compare wall
-    times only between engines profiled alike. A profiler that fails is reported, not raised
-    (the engine's other results are kept)."""
+    times only between engines profiled alike. An exception (a profiler that fails, or one
+    that records no GPU activity for a request) is reported in the result and the request
+    aborted, so the engine's other results are kept; a crash of the process is not caught."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -377,9 +378,11 @@ def _decode_profile(llm, task: dict) -> dict:
     params = _stream_params(task["max_tokens"])
     intervals: list[tuple[str, float, float]] = []
     wall_s, tokens = 0.0, 0
+    rid = None
     try:
         for pi, prompt in enumerate([task["prompts"][0], *task["prompts"]]):  # 1st: warm-up
-            engine.add_request(f"prof-{pi}", {"prompt_token_ids": prompt}, params)
+            rid = f"prof-{pi}"
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
             first = 0
             while first == 0 and engine.has_unfinished_requests():
                 for out in engine.step():
@@ -392,24 +395,30 @@ def _decode_profile(llm, task: dict) -> dict:
                         last = len(out.outputs[0].token_ids)
                 torch.cuda.synchronize()
                 t1 = time.perf_counter()
+            rid = None
             if pi == 0:
                 continue
-            wall_s += t1 - t0
-            tokens += last - first
             kernels = [
                 (e.name, e.time_range.start, e.time_range.end)
                 for e in prof.events()
                 if e.device_type == DeviceType.CUDA
             ]
-            if kernels:  # each profile has a clock of its own: lay them end to end
-                shift = (max(x[2] for x in intervals) + 1 if intervals else 0) - min(
-                    x[1] for x in kernels
+            if not kernels:
+                raise RuntimeError(
+                    f"the profiler recorded no GPU activity for request {pi} (CUPTI unavailable?)"
                 )
-                intervals += [(n, a + shift, b + shift) for n, a, b in kernels]
-        if not intervals:
-            return {"error": "the profiler recorded no GPU activity (CUPTI unavailable?)"}
+            # each profile has a clock of its own: lay them end to end
+            shift = (max(x[2] for x in intervals) + 1 if intervals else 0) - min(
+                x[1] for x in kernels
+            )
+            intervals += [(n, a + shift, b + shift) for n, a, b in kernels]
+            wall_s += t1 - t0
+            tokens += last - first
         out = kernel_summary(intervals, tokens)
     except Exception as e:  # noqa: BLE001 - reported in the result, see the docstring
+        if rid is not None:
+            with contextlib.suppress(Exception):
+                engine.abort_request([rid])
         return {"error": f"{type(e).__name__}: {e}"}
     wall_us = wall_s / tokens * 1e6
     return {

@@ -6,11 +6,13 @@ greedy token ids, their logprobs and the prompt logprobs). Greedy tokens must be
 Logprob differences are compared with the largest difference between two runs of the
 unpatched server (identical runs, another prefill chunk, another batching), per statistic.
 
-Configurations that keep the unpatched server's order of floating-point sums (offload-01;
-offload-03 with swap off: one kernel call over a fixed table) are held to the noise itself.
-Two kinds change that order by design, and get `REORDERED_SUM_TOLERANCE` times the noise:
-- offload-02 adds two kernel calls' partial results (one Marlin layer split in two differs
-  from the whole layer by one bf16 ulp);
+Configurations that run the unpatched server's kernel calls (offload-01: the same call on
+host memory; offload-03 with swap off: one call over all experts, rows at fixed positions)
+are held to the noise itself. Two kinds change the floating-point work by design, and get
+`REORDERED_SUM_TOLERANCE` times the noise:
+- offload-02 runs two Marlin calls, each over a subset of the experts, so the kernel tiles a
+  row's work differently from the unpatched call (one split layer differs from the whole layer
+  by one bf16 ulp; the top-k sum is one reduction since patch 0004);
 - offload-03 with runtime swap moves rows while it runs, so the kernel's blocks run in
   another order from step to step.
 Measured on an H200 (2026-12-01, `bench/results/2026-12-01-gpu-session-e-h200.md`), those

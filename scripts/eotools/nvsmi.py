@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 
 
-def query(*args: str, timeout: float = 30) -> list[str] | None:
+def query(*args: str, timeout: float = 30) -> list[list[str]] | None:
     """`nvidia-smi ARGS --format=csv,noheader,nounits`: one list of stripped fields per
     output line; None where nvidia-smi cannot answer."""
     try:

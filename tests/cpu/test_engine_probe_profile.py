@@ -38,6 +38,12 @@ class _Engine:
 
     def __init__(self, trace: list) -> None:
         self.trace, self.live, self.max_tokens, self.llm_engine = trace, {}, 0, self
+        self.aborted: list[str] = []
+
+    def abort_request(self, ids) -> None:
+        self.aborted += ids
+        for rid in ids:
+            self.live.pop(rid, None)
 
     def add_request(self, rid, prompt, params) -> None:
         self.max_tokens = params.max_tokens
@@ -114,11 +120,39 @@ def test_only_decode_after_the_first_token_of_the_measured_requests_is_profiled(
     assert out["wall_us_per_token"] > 0 and 0.0 <= out["gpu_idle_fraction"] <= 1.0
 
 
-def test_a_failing_profiler_is_reported_not_raised(fake_torch):
+def test_a_failing_profiler_is_reported_not_raised_and_its_request_aborted(fake_torch):
     trace: list[str] = []
     fake_torch(trace, fail=True)
-    out = engine_probe._decode_profile(_Engine(trace), {"prompts": [[1]], "max_tokens": 3})
+    llm = _Engine(trace)
+    out = engine_probe._decode_profile(llm, {"prompts": [[1]], "max_tokens": 3})
     assert out == {"error": "RuntimeError: CUPTI_ERROR_INSUFFICIENT_PRIVILEGES"}
+    assert llm.aborted == ["prof-0"] and not llm.live
+
+
+def test_a_request_without_gpu_activity_is_an_error_not_a_smaller_busy_time(fake_torch):
+    """CUPTI that stops recording after the first profile must not halve the busy time."""
+    trace: list[str] = []
+    fake_torch(trace)
+    llm = _Engine(trace)
+    real_events = _Profile.events
+    calls = []
+
+    def events(self):
+        calls.append(1)
+        return real_events(self) if len(calls) < 2 else []
+
+    _Profile.events = events
+    try:
+        out = engine_probe._decode_profile(llm, {"prompts": [[1], [2]], "max_tokens": 4})
+    finally:
+        _Profile.events = real_events
+    assert out["error"].startswith("RuntimeError: the profiler recorded no GPU activity")
+
+
+def test_kernel_names_are_cut_before_they_are_summed():
+    long_a, long_b = "k" * 160 + "A", "k" * 160 + "B"
+    out = engine_probe.kernel_summary([(long_a, 0.0, 1.0), (long_b, 2.0, 4.0)], tokens=1)
+    assert out["kernels"] == [{"name": "k" * 160, "launches_per_token": 2.0, "us_per_token": 3.0}]
 
 
 def _prof(wall, busy, kernels):
@@ -179,3 +213,25 @@ def test_without_a_partner_the_unpatched_engine_of_the_run_is_the_reference():
         "offload-03 minus unpatched: wall +100.0 us/token, GPU busy +50.0 us/token; "
         "kernels: `marlin` +50.0." in text
     )
+
+
+def test_a_paired_partner_is_listed_once_and_an_error_stays_on_one_table_row():
+    base = {
+        "spec": {"config": "unpatched"},
+        "tasks": {"profile": _prof(1800.0, 1500.0, [("m", 9.0)])},
+    }
+    swap = {
+        "spec": {"config": "offload-03"},
+        "paired_base": base,
+        "tasks": {
+            "profile": {**_prof(1900.0, 1550.0, [("m", 9.5)]), "swap_delta": {"host_reads": 7}}
+        },
+    }
+    # bench-offload keeps the first partner as the round's unpatched run as well
+    results = {("unpatched", 1): base, ("offload-03-swap", 1): swap}
+    doc = {"profiles": bench_offload.profiles(results)}
+    assert list(doc["profiles"]) == ["offload-03-swap", "unpatched beside offload-03-swap"]
+    assert "host reads in the task: 7" in "\n".join(bench_offload.profile_lines(doc))
+    doc["profiles"]["offload-03-swap"] = {"error": "CUDA error: x | y\nmore lines"}
+    rows = [x for x in bench_offload.profile_lines(doc) if "profile failed" in x]
+    assert rows == ["| offload-03-swap | - | - | - | - | profile failed: CUDA error: x \\| y |"]

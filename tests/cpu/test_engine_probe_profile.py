@@ -197,15 +197,14 @@ def test_the_report_sets_each_configuration_beside_its_partner():
     assert bench_offload.profile_lines({"profiles": {}}) == []
 
 
+def _engine(config: str, profile: dict, **extra) -> dict:
+    """One engine's result as bench-offload holds it, with a profile task."""
+    return {"spec": {"config": config}, "tasks": {"profile": profile}, **extra}
+
+
 def test_without_a_partner_the_unpatched_engine_of_the_run_is_the_reference():
-    ref = {
-        "spec": {"config": "unpatched"},
-        "tasks": {"profile": _prof(1800.0, 1500.0, [("marlin", 900.0)])},
-    }
-    one = {
-        "spec": {"config": "offload-03"},
-        "tasks": {"profile": _prof(1900.0, 1550.0, [("marlin", 950.0)])},
-    }
+    ref = _engine("unpatched", _prof(1800.0, 1500.0, [("marlin", 900.0)]))
+    one = _engine("offload-03", _prof(1900.0, 1550.0, [("marlin", 950.0)]))
     doc = {"profiles": bench_offload.profiles({("unpatched", 1): ref, ("offload-03", 1): one})}
     assert list(doc["profiles"]) == ["unpatched", "offload-03"]
     text = "\n".join(bench_offload.profile_lines(doc))
@@ -216,17 +215,9 @@ def test_without_a_partner_the_unpatched_engine_of_the_run_is_the_reference():
 
 
 def test_a_paired_partner_is_listed_once_and_an_error_stays_on_one_table_row():
-    base = {
-        "spec": {"config": "unpatched"},
-        "tasks": {"profile": _prof(1800.0, 1500.0, [("m", 9.0)])},
-    }
-    swap = {
-        "spec": {"config": "offload-03"},
-        "paired_base": base,
-        "tasks": {
-            "profile": {**_prof(1900.0, 1550.0, [("m", 9.5)]), "swap_delta": {"host_reads": 7}}
-        },
-    }
+    base = _engine("unpatched", _prof(1800.0, 1500.0, [("m", 9.0)]))
+    prof = {**_prof(1900.0, 1550.0, [("m", 9.5)]), "swap_delta": {"host_reads": 7}}
+    swap = _engine("offload-03", prof, paired_base=base)
     # bench-offload keeps the first partner as the round's unpatched run as well
     results = {("unpatched", 1): base, ("offload-03-swap", 1): swap}
     doc = {"profiles": bench_offload.profiles(results)}

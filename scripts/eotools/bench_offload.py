@@ -445,16 +445,16 @@ def profiles(results: dict) -> dict:
     out = {}
     partners = {id(r["paired_base"]) for r in results.values() if r.get("paired_base")}
     for (spec, rnd), res in results.items():
-        if id(res) in partners and res.get("paired_base") is None:
-            continue  # a partner, listed below as 'unpatched beside CONFIG'
         suffix = f" (round {rnd})" if rnd > 1 else ""
-        if "profile" in res["tasks"] and res["spec"]["config"] != "unpatched":
+        if spec == "unpatched":  # listed beside its configuration when it was a partner
+            if id(res) not in partners and "profile" in res["tasks"]:
+                out["unpatched" + suffix] = res["tasks"]["profile"]
+            continue
+        if "profile" in res["tasks"]:
             out[spec + suffix] = res["tasks"]["profile"]
         base = res.get("paired_base")
         if base is not None and "profile" in base["tasks"]:
             out[f"unpatched beside {spec}{suffix}"] = base["tasks"]["profile"]
-        elif spec == "unpatched" and "profile" in res["tasks"]:
-            out["unpatched" + suffix] = res["tasks"]["profile"]
     return out
 
 

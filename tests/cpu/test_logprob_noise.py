@@ -10,12 +10,11 @@ reorder sums exceed it and pass within the stated tolerance, and a small fault f
 from __future__ import annotations
 
 import copy
-import gzip
-import json
 import pathlib
 
 import pytest
 from eotools import logprob_noise as lp
+from eotools.bench_offload import _from_runs
 
 RAW = pathlib.Path(__file__).resolve().parents[2] / "bench/results/raw"
 NOISE_RUNS = RAW / "2026-12-01-int4-8l-unpatched-noise-h200"
@@ -62,10 +61,10 @@ def test_bad_input_is_named():
 
 
 def _load(folder: pathlib.Path, name: str) -> dict:
-    # the harness names a run NAME-KEY, KEY 16 hex digits
-    (path,) = (p for p in folder.glob(f"{name}-*.json.gz") if len(p.name) == len(name) + 25)
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
+    """The committed engine run NAME-KEY (gzip) in `folder`, found as bench-offload does."""
+    res = _from_runs(folder, name)
+    assert res is not None, f"no engine run {name} in {folder}"
+    return res
 
 
 @pytest.fixture(scope="module")

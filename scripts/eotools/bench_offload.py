@@ -119,7 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         "the same GPU, the two taking turns request by request, and take its ratios "
         "against that engine: a change of the host's speed during the run (20%% steps seen "
         "on H200 hosts) then hits both alike. Needs GPU memory for two engines "
-        "(EO_GPU_MEMORY_UTILIZATION, default here 0.35)",
+        "(EO_GPU_MEMORY_UTILIZATION, default here 0.35). The same as --group 1",
+    )
+    ap.add_argument(
+        "--group",
+        type=int,
+        default=0,
+        metavar="K",
+        help="run the configurations K at a time side by side with one unpatched engine on "
+        "the same GPU, all taking turns request by request, and take their ratios against "
+        "that engine: as --paired, with K+1 engines started at once instead of 2 per "
+        "configuration (a sweep in a fraction of the time). Needs GPU memory for K+1 "
+        "engines (EO_GPU_MEMORY_UTILIZATION, default here 1/(K+1), at most 0.35)",
     )
     ap.add_argument(
         "--decide-ab",
@@ -150,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ran-at", help="with --from-runs: when the engine runs were made")
     args = ap.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.paired and not args.from_runs:
-        os.environ.setdefault("EO_GPU_MEMORY_UTILIZATION", "0.35")  # two engines per GPU
+    if args.group < 0 or (args.paired and args.group not in (0, 1)):
+        ap.error("--group takes K >= 1 configurations at a time (--paired is --group 1)")
+    if (args.paired or args.group) and not args.from_runs:
+        # vLLM's start-up check of free GPU memory; the KV cache has a fixed size
+        engines = 1 + max(args.group, 1)
+        os.environ.setdefault("EO_GPU_MEMORY_UTILIZATION", f"{min(0.35, 1 / engines):.2f}")
 
     plan = load_plan(args.model)
     cold_files: dict[int, tuple[pathlib.Path, dict[int, set[int]]]] = {}
@@ -226,20 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             spec = name if n == args.host_experts_per_layer else f"{name}:{n}"
             if spec not in specs:  # the main table's size is not run twice
                 specs.append(spec)
-    # rounds after the first run the configurations in reverse order, so that a drift of
-    # the machine over the run (clocks, other tenants) favours none of them
-    order = [
-        (rnd, spec)
-        for rnd in range(1, args.rounds + 1)
-        for spec in (specs if rnd % 2 else specs[::-1])
-    ]
-    for rnd, spec in order:
+    group = 1 if args.paired else args.group  # 0: every configuration alone
+
+    def prepare(spec: str, rnd: int) -> dict:
+        """One configuration's engine run: its label, run config, and where its host
+        experts are (for host reads per token)."""
         name, variant, tree, per_layer = parse_spec(spec)
-        if args.paired and name == "unpatched":
-            continue  # each configuration runs beside an unpatched engine of its own
         per_layer = per_layer or args.host_experts_per_layer
         in_round = f"-r{rnd}" if rnd > 1 else ""
-        label = f"bench-{spec_slug(spec)}{in_round}"
         env, engine, patched, placed = {}, gh.engine(), True, {}
         if name == "offload-02":
             cold_path, placed = cold_set(per_layer)
@@ -254,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "unpatched":
             patched = False
         elif name == "cpu-offload-gb":
-            # the same host bytes as an offload run of this size, else the checkpoint's
-            # expert bytes for that many experts in every layer
+            # the same host bytes as an offload run of this size made earlier in this run,
+            # else the checkpoint's expert bytes for that many experts in every layer
             same = host_bytes.get(per_layer) or (
                 per_layer * plan.geometry.num_layers * expert_bytes(args.model)
             )
@@ -278,62 +287,112 @@ def main(argv: list[str] | None = None) -> int:
         config_tasks = tasks
         if args.decide_ab and name == "offload-03-swap" and not variant:
             config_tasks = [*tasks, decide_ab_task(prompts, args.decode_tokens, args.repeats)]
-        base_label = f"bench-unpatched-for-{spec_slug(spec)}{in_round}"
-        base_res = None
-        if args.from_runs:
-            res = _from_runs(args.from_runs, label)
-            if res is not None and args.paired:
-                base_res = _from_runs(args.from_runs, base_label)
-            if res is None or (args.paired and base_res is None):
-                not_run.append(label.removeprefix("bench-"))
-                continue
-            ran_model = res.pop("ran_model", None) or ran_model
-        else:
-            run_config = {
+        return {
+            "spec": spec,
+            "name": name,
+            "variant": variant,
+            "tree": tree,
+            "per_layer": per_layer,
+            "label": f"bench-{spec_slug(spec)}{in_round}",
+            "patched": patched,
+            "placed": placed,
+            "run_config": {
                 "model": str(args.model),
                 "env": env,
                 "engine": engine,
                 "tasks": config_tasks,
+            },
+        }
+
+    units_run = 0
+    for rnd, unit in run_units(specs, args.rounds, group):
+        members = [prepare(spec, rnd) for spec in unit]
+        in_round = f"-r{rnd}" if rnd > 1 else ""
+        base_label = f"bench-unpatched-for-{'+'.join(map(spec_slug, unit))}{in_round}"
+        got: dict[str, dict] = {}
+        base_res = None
+        if args.from_runs:
+            base_res = _from_runs(args.from_runs, base_label) if group else None
+            for m in members:
+                res = _from_runs(args.from_runs, m["label"])
+                if res is None or (group and base_res is None):
+                    not_run.append(m["label"].removeprefix("bench-"))
+                    continue
+                ran_model = res.pop("ran_model", None) or ran_model
+                got[m["spec"]] = res
+        elif group:
+            # one unpatched engine beside the unit's, all taking turns request by request
+            base_config = {
+                "model": str(args.model),
+                "env": {},
+                "engine": gh.engine(),
+                "tasks": tasks,
             }
+            side = [(base_label, base_config, False, None)] + [
+                (m["label"], m["run_config"], m["patched"], m["tree"]) for m in members
+            ]
             try:
-                if args.paired:
-                    # the unpatched engine beside this one, taking turns request by request
-                    base_config = {**run_config, "env": {}, "engine": gh.engine(), "tasks": tasks}
-                    base_res, res = gh.run_engine_pair(
-                        (base_label, base_config, False), (label, run_config, patched), tree=tree
-                    )
+                # the first unit fills the compile cache with one engine of each kind
+                # first (vLLM's cache index is not written atomically)
+                outs = gh.run_engine_group(side, stagger=0 if units_run else 2)
+                units_run += 1
+            except subprocess.TimeoutExpired as e:
+                outs = [RuntimeError(str(e))] * len(side)
+            base_res = None if isinstance(outs[0], Exception) else outs[0]
+            for m, out in zip(members, outs[1:], strict=True):
+                # one configuration failing must not lose the others of the run; without
+                # its unpatched partner none of the unit has a ratio
+                err = out if isinstance(out, Exception) else outs[0]
+                if isinstance(err, Exception):
+                    gh.log(f"configuration {m['spec']} (round {rnd}) FAILED: {err}")
+                    failed[m["label"].removeprefix("bench-")] = str(err)[-2000:]
                 else:
-                    res = gh.run_engine(label, run_config, patched, tree=tree)
+                    got[m["spec"]] = out
+        else:
+            (m,) = members
+            try:
+                got[m["spec"]] = gh.run_engine(
+                    m["label"], m["run_config"], m["patched"], tree=m["tree"]
+                )
             except (RuntimeError, subprocess.TimeoutExpired) as e:
-                # one configuration failing must not lose the others of the run
-                gh.log(f"configuration {spec} (round {rnd}) FAILED: {e}")
-                failed[label.removeprefix("bench-")] = str(e)[-2000:]
-                continue
-        if base_res is not None:
+                gh.log(f"configuration {m['spec']} (round {rnd}) FAILED: {e}")
+                failed[m["label"].removeprefix("bench-")] = str(e)[-2000:]
+        if base_res is not None and got:
             base_res["spec"] = dict(config="unpatched", variant="", tree=None, per_layer=None)
             base_res["host_reads_per_token"] = {w: 0.0 for w in ("fresh", "repeat")}
-            res["paired_base"] = base_res
+            base_res["partner_of"] = [m["spec"] for m in members if m["spec"] in got]
             results.setdefault(("unpatched", rnd), base_res)
-        mem = res["memory"]
-        if name.startswith("offload-0") and name != "offload-01":
-            host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
-        if name == "cpu-offload-gb":  # vLLM offloads whole layers' experts, first layers first
-            layer_bytes = (mem["expert_gpu_bytes"] + mem["expert_host_bytes"]) / max(
-                plan.geometry.num_layers, 1
-            )
-            placed = {
-                x: every
-                for x in range(plan.geometry.num_layers)
-                if x < round(mem["expert_host_bytes"] / max(layer_bytes, 1))
-            }
-        res["host_reads_per_token"] = {}
-        for workload, ps in (("fresh", prompts), ("repeat", repeat_prompts)):
-            if f"{workload}_tokens" not in res["tasks"]:  # a run made before this workload
+        for m in members:
+            if m["spec"] not in got:
                 continue
-            outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
-            res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed)
-        res["spec"] = {"config": name, "variant": variant, "tree": tree, "per_layer": per_layer}
-        results[(spec, rnd)] = res
+            res, name, per_layer, placed = got[m["spec"]], m["name"], m["per_layer"], m["placed"]
+            if base_res is not None:
+                res["paired_base"] = base_res
+            mem = res["memory"]
+            if name.startswith("offload-0") and name != "offload-01":
+                host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
+            if name == "cpu-offload-gb":  # vLLM offloads whole layers' experts, first layers first
+                layer_bytes = (mem["expert_gpu_bytes"] + mem["expert_host_bytes"]) / max(
+                    plan.geometry.num_layers, 1
+                )
+                placed = {
+                    x: every
+                    for x in range(plan.geometry.num_layers)
+                    if x < round(mem["expert_host_bytes"] / max(layer_bytes, 1))
+                }
+            res["host_reads_per_token"] = {}
+            for workload, ps in (("fresh", prompts), ("repeat", repeat_prompts)):
+                if f"{workload}_tokens" not in res["tasks"]:  # a run made before this workload
+                    continue
+                outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
+                res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed)
+            res["spec"] = {
+                "config": name,
+                "variant": m["variant"],
+                "tree": m["tree"],
+                "per_layer": per_layer,
+            }
+            results[(m["spec"], rnd)] = res
 
     machines: list[dict] = []
     for res in results.values():
@@ -439,23 +498,55 @@ def profile_task(prompts: list, decode_tokens: int) -> dict:
     }
 
 
+def run_units(specs: list[str], rounds: int, group: int) -> list[tuple[int, list[str]]]:
+    """The engine runs of a suite, in order: (round, configurations run together). Rounds
+    after the first run the configurations in reverse order, so that a drift of the
+    machine over the run (clocks, other tenants) favours none of them. group 0: every
+    configuration alone; group K: the configurations other than "unpatched" K at a time,
+    each unit beside an unpatched engine of its own."""
+    units = []
+    for rnd in range(1, rounds + 1):
+        ordered = specs if rnd % 2 else specs[::-1]
+        if not group:
+            units += [(rnd, [spec]) for spec in ordered]
+            continue
+        offload = [s for s in ordered if parse_spec(s)[0] != "unpatched"]
+        units += [(rnd, offload[i : i + group]) for i in range(0, len(offload), group)]
+    return units
+
+
 def profiles(results: dict) -> dict:
-    """Each engine's decode profile (--profile), a paired configuration's partner as
-    'unpatched beside CONFIG'."""
+    """Each engine's decode profile (--profile); an unpatched partner (--paired, --group) as
+    'unpatched beside CONFIG[, CONFIG...]', once."""
     out = {}
     partners = {id(r["paired_base"]) for r in results.values() if r.get("paired_base")}
+    seen = set()
     for (spec, rnd), res in results.items():
         suffix = f" (round {rnd})" if rnd > 1 else ""
-        if spec == "unpatched":  # listed beside its configuration when it was a partner
+        if spec == "unpatched":  # listed beside its configurations when it was a partner
             if id(res) not in partners and "profile" in res["tasks"]:
                 out["unpatched" + suffix] = res["tasks"]["profile"]
             continue
         if "profile" in res["tasks"]:
             out[spec + suffix] = res["tasks"]["profile"]
         base = res.get("paired_base")
-        if base is not None and "profile" in base["tasks"]:
-            out[f"unpatched beside {spec}{suffix}"] = base["tasks"]["profile"]
+        if base is not None and "profile" in base["tasks"] and id(base) not in seen:
+            seen.add(id(base))
+            beside = ", ".join(base.get("partner_of") or [spec])
+            out[f"unpatched beside {beside}{suffix}"] = base["tasks"]["profile"]
     return out
+
+
+def _partner_profile(profs: dict, label: str) -> dict | None:
+    """The profile of the unpatched engine that ran beside `label`, else the run's own."""
+    spec, _, rnd = label.partition(" (round ")
+    suffix = f" (round {rnd}" if rnd else ""
+    for key, prof in profs.items():
+        beside = key.removeprefix("unpatched beside ")
+        listed = beside.removesuffix(suffix).split(", ") if beside.endswith(suffix) else []
+        if key != beside and spec in listed:
+            return prof
+    return profs.get("unpatched" + suffix) or profs.get("unpatched")
 
 
 def profile_lines(doc: dict, top: int = 6) -> list[str]:
@@ -488,7 +579,7 @@ def profile_lines(doc: dict, top: int = 6) -> list[str]:
             f"{p['gpu_busy_us_per_token']:.1f} | {p['gpu_idle_fraction']:.1%} | {big} |"
         )
     for label, p in profs.items():
-        base = profs.get(f"unpatched beside {label}") or profs.get("unpatched")
+        base = _partner_profile(profs, label)
         if label.startswith("unpatched") or base is None or "error" in p or "error" in base:
             continue
         mine = {k["name"]: k["us_per_token"] for k in p["kernels"]}
@@ -666,7 +757,7 @@ def _run_row(
         "vram_source": (
             "this engine's process (driver accounting, after load and graph capture)"
             if mem.get("process_vram_bytes")
-            else "the whole device (after load; with --paired, both engines)"
+            else "the whole device (after load; with --paired or --group, every engine on it)"
         ),
         "peak_host_gib": mem["host_peak_rss_bytes"] / GiB,
         "expert_host_gib": mem["expert_host_bytes"] / GiB,

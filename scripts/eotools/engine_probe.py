@@ -26,37 +26,36 @@ GiB = 1 << 30
 
 
 class Baton:
-    """Turns on the GPU with a partner engine process (bench-offload --paired): an unpatched
-    and an offload engine side by side, each timing its requests only while the other waits,
-    so that a change of the host's speed during the run hits both alike.
+    """Turns on the GPU with other engine processes (bench-offload --paired / --group): an
+    unpatched engine and one or more offload engines side by side, each timing its requests
+    only while the others wait, so that a change of the host's speed during the run hits all
+    alike.
 
-    EO_BATON="leader|follower:READ_FD:WRITE_FD", two pipes between the processes. The
-    follower hands the leader the first turn once it has started; then each process takes a
-    turn (reads a byte), runs one request or untimed task, and gives the turn back (writes
-    a byte). A partner that has finished or died closes its pipe: from then on this process
-    runs alone."""
+    EO_BATON="READ_FD:WRITE_FD", a pipe pair with the harness that started the engines
+    (gpu_harness.run_engine_group), which hands the turn round. Once started, a process says
+    so (writes a byte); then it takes a turn (reads a byte), runs one request or untimed
+    task, and gives the turn back (writes a byte). A process that has finished or died
+    closes its pipes and leaves the round; if the harness is gone, this process runs alone."""
 
     def __init__(self, spec: str | None) -> None:
         self.active = bool(spec)
-        self.leader = True
         self.rfd = self.wfd = -1
         if spec:
-            role, rfd, wfd = spec.split(":")
-            if role not in ("leader", "follower"):
-                raise ValueError(f"EO_BATON={spec!r}: leader or follower")
-            self.leader, self.rfd, self.wfd = role == "leader", int(rfd), int(wfd)
-        self.waited_s = 0.0  # time spent waiting for turns (the partner's work)
+            fds = spec.split(":")
+            if len(fds) != 2 or not all(x.isdigit() for x in fds):
+                raise ValueError(f"EO_BATON={spec!r}: expected READ_FD:WRITE_FD")
+            self.rfd, self.wfd = int(fds[0]), int(fds[1])
+        self.waited_s = 0.0  # time spent waiting for turns (the others' work)
 
     def ready(self) -> None:
-        """After start-up: the follower gives the leader the first turn."""
-        if self.active and not self.leader:
-            self.give()
+        """After start-up: tell the harness, which starts the round once all are ready."""
+        self.give()
 
     def take(self) -> None:
         if self.rfd < 0:
             return
         t = time.perf_counter()
-        if os.read(self.rfd, 1) == b"":  # the partner is gone
+        if os.read(self.rfd, 1) == b"":  # the harness is gone: run alone
             os.close(self.rfd)
             self.rfd = -1
         self.waited_s += time.perf_counter() - t
@@ -500,7 +499,7 @@ def run(config: dict) -> dict:
     result["swap"] = llm.apply_model(_swap_counters)[0]
     if BATON.active:
         result["baton_waited_s"] = BATON.waited_s
-    BATON.close()  # the partner runs alone from here
+    BATON.close()  # leaves the round; the others go on without this engine
     return result
 
 

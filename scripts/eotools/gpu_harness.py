@@ -13,12 +13,15 @@ Results are cached by configuration, so tests that need the same run share it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import pathlib
+import select
 import subprocess
 import sys
+import threading
 import time
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1]
@@ -152,53 +155,157 @@ def run_engine_pair(
     probe: list[str] | None = None,
 ) -> tuple[dict, dict]:
     """Two engine configurations (name, config, patched) side by side on one GPU, taking
-    turns request by request (engine_probe.Baton): paired timings that a change of the
-    host's speed during the run cannot tilt. Cached like run_engine; the cache key says
-    that the run was paired and with what. The engines share the GPU's memory, so
-    EO_GPU_MEMORY_UTILIZATION (or each config's engine settings) must leave room for both.
-    `probe`: the command that runs one configuration (tests; default engine_probe)."""
-    runs = [
-        _Run(name, {**config, "paired_with": partner[0]}, patched, tree)
-        for (name, config, patched), partner in ((leader, follower), (follower, leader))
-    ]
+    turns request by request: run_engine_group of two, the leader's turn first. `tree`
+    applies to the patched ones. Raises the first failure."""
+    members = [(*leader, tree), (*follower, tree)]
+    out = run_engine_group(members, timeout=timeout, probe=probe)
+    for res in out:
+        if isinstance(res, Exception):
+            raise res
+    return out[0], out[1]
+
+
+def run_engine_group(
+    members: list[tuple[str, dict, bool, str | None]],
+    timeout: float = 1800,
+    probe: list[str] | None = None,
+    stagger: int = 0,
+) -> list[dict | RuntimeError]:
+    """Engine configurations (name, config, patched, tree) side by side on one GPU, taking
+    turns request by request in this order (engine_probe.Baton, turns handed round by
+    this process): timings that a change of the host's speed during the run cannot tilt,
+    and start-ups that overlap. The round starts once every engine has started (or died),
+    so no start-up overlaps a timed request. `stagger` N starts the first N alone and the
+    others once those have started: engines with the same compile-cache key must not
+    compile it at the same time (vLLM's cache index is not written atomically), so a
+    cold cache is best filled by one unpatched and one patched engine first. Cached like
+    run_engine: the cache key names the others ("paired_with"). The engines share the
+    GPU's memory, so EO_GPU_MEMORY_UTILIZATION (or each config's engine settings) must
+    leave room for all. Returns each member's result, or the RuntimeError of a member
+    that failed (the others' results are kept). `probe`: the command that runs one
+    configuration (tests; default engine_probe)."""
+    names = [m[0] for m in members]
+    runs = []
+    for name, config, patched, tree in members:
+        others = ",".join(n for n in names if n != name)
+        runs.append(_Run(name, {**config, "paired_with": others}, patched, tree))
     if all(r.result_file.exists() for r in runs):
-        return runs[0].result(), runs[1].result()
-    to_follower, to_leader = os.pipe(), os.pipe()  # (read, write) each
-    batons = [
-        (f"leader:{to_leader[0]}:{to_follower[1]}", [to_leader[0], to_follower[1]]),
-        (f"follower:{to_follower[0]}:{to_leader[1]}", [to_follower[0], to_leader[1]]),
-    ]
-    procs, logs = [], []
+        return [r.result() for r in runs]
+    procs: list[subprocess.Popen] = []
+    logs, channels = [], []
+    started: dict[int, bool] = {}  # member -> said it started (True) or died (False)
     t0 = time.time()
-    try:
-        for run, (baton, fds) in zip(runs, batons, strict=True):
-            lf = open(run.log_file, "w")  # noqa: SIM115 (closed below)
-            logs.append(lf)
+    deadline = t0 + timeout
+
+    def spawn(i: int) -> None:
+        _, _, patched, tree = members[i]
+        to_child, to_harness = os.pipe(), os.pipe()  # (read, write) each
+        lf = open(runs[i].log_file, "w")  # noqa: SIM115 (closed below)
+        logs.append(lf)
+        try:
             procs.append(
                 subprocess.Popen(
-                    [*(probe or _PROBE), *run.start(", paired")],
-                    env={**engine_env(run.patched, tree), "EO_BATON": baton},
+                    [*(probe or _PROBE), *runs[i].start(f", side by side with {len(runs) - 1}")],
+                    env={**engine_env(patched, tree), "EO_BATON": f"{to_child[0]}:{to_harness[1]}"},
                     stdout=lf,
                     stderr=subprocess.STDOUT,
-                    pass_fds=fds,
+                    pass_fds=(to_child[0], to_harness[1]),
                 )
             )
-    finally:
-        for fd in (*to_follower, *to_leader):  # the children hold their own ends
-            os.close(fd)
+        except BaseException:
+            _close([to_harness[0], to_child[1]])
+            raise
+        finally:
+            _close([to_child[0], to_harness[1]])  # the child holds its own ends
+        channels.append([to_harness[0], to_child[1]])
+
     try:
-        codes = [p.wait(timeout=max(1.0, timeout - (time.time() - t0))) for p in procs]
+        first = min(stagger, len(runs)) if stagger > 0 else len(runs)
+        for i in range(first):
+            spawn(i)
+        if first < len(runs):
+            for i in range(first):
+                started[i] = _started(channels[i], deadline)
+            log(f"engine runs {', '.join(names[:first])} started; starting the others")
+            for i in range(first, len(runs)):
+                spawn(i)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        for ch in channels:
+            _close(ch)
+        for lf in logs:
+            lf.close()
+        raise
+    relay = threading.Thread(target=_hand_turns_round, args=(channels, started), daemon=True)
+    relay.start()
+    try:
+        codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
         raise
     finally:
+        relay.join(timeout=10)
         for lf in logs:
             lf.close()
+    out: list[dict | RuntimeError] = []
     for run, code in zip(runs, codes, strict=True):
-        run.check(code, " (paired)")
-    log(f"engine runs {runs[0].name} and {runs[1].name} (paired) done in {time.time() - t0:.0f} s")
-    return runs[0].result(), runs[1].result()
+        try:
+            run.check(code, " (side by side)")
+            out.append(run.result())
+        except RuntimeError as e:
+            out.append(e)
+    log(f"engine runs {', '.join(names)} (side by side) done in {time.time() - t0:.0f} s")
+    return out
+
+
+def _started(channel: list[int], deadline: float) -> bool:
+    """Wait for an engine's start-up byte: True once it has started, False if it died
+    first (its channel is then closed). Raises TimeoutExpired at the deadline."""
+    rfd = channel[0]
+    if not select.select([rfd], [], [], max(0.0, deadline - time.time()))[0]:
+        raise subprocess.TimeoutExpired("engine start-up", deadline)
+    if os.read(rfd, 1):
+        return True
+    _close(channel)
+    return False
+
+
+def _hand_turns_round(channels: list[list[int]], started: dict[int, bool]) -> None:
+    """The turns of run_engine_group: wait until every engine has started (a byte each, or
+    end of file from one that died; `started` holds those already waited for), then give
+    the turn to each live engine in order and wait for it back. An engine that has
+    finished or died (end of file, broken pipe) leaves the round. Closes every channel."""
+    live = []
+    for i, (rfd, _) in enumerate(channels):
+        if i not in started:
+            started[i] = bool(os.read(rfd, 1))
+            if not started[i]:
+                _close(channels[i])
+        if started[i]:
+            live.append(i)
+    while live:
+        for i in list(live):
+            rfd, wfd = channels[i]
+            try:
+                os.write(wfd, b"t")
+                back = os.read(rfd, 1)
+            except OSError:  # BrokenPipeError: it closed its end
+                back = b""
+            if not back:
+                live.remove(i)
+                _close(channels[i])
+
+
+def _close(fds: list[int]) -> None:
+    """Close the descriptors in `fds` that are still open and mark them closed (-1), so
+    that a second call cannot close a number the process has since reused."""
+    for k, fd in enumerate(fds):
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            fds[k] = -1
 
 
 def engine(**overrides) -> dict:

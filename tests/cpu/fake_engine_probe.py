@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Stands in for eotools.engine_probe in tests/cpu/test_paired_engines.py: starts (sleeps),
 then runs CONFIG["requests"] "requests" of 20 ms, each in a turn of engine_probe.Baton, and
-writes when each ran.   python3 fake_engine_probe.py CONFIG.json RESULT.json"""
+writes when each ran; with CONFIG["fail_at_start"], exits 3 during start-up instead.
+    python3 fake_engine_probe.py CONFIG.json RESULT.json"""
 
 import json
 import os
@@ -10,10 +11,15 @@ import time
 
 from eotools.engine_probe import Baton
 
+launched = time.time()
+
 with open(sys.argv[1]) as f:
     config = json.load(f)
 baton = Baton(os.environ.get("EO_BATON"))
 time.sleep(config["startup_s"])
+if config.get("fail_at_start"):
+    print("fake engine: start-up failed", flush=True)
+    sys.exit(3)
 started = time.time()
 baton.ready()
 spans = []
@@ -24,4 +30,6 @@ for _ in range(config["requests"]):
         spans.append((t0, time.time()))
 baton.close()
 with open(sys.argv[2], "w") as f:
-    json.dump({"started": started, "spans": spans, "waited_s": baton.waited_s}, f)
+    json.dump(
+        {"launched": launched, "started": started, "spans": spans, "waited_s": baton.waited_s}, f
+    )

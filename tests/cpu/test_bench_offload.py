@@ -9,6 +9,7 @@ of the same suite run, and each configuration's physical bound from the host-rea
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -294,3 +295,86 @@ def test_a_paired_run_with_gzip_compressed_results(repo_root, tmp_path):
     assert swap_fresh["host_reads_per_token"] == pytest.approx(0.64, abs=0.01)
     assert rows[("offload-03-swap", "repeat")]["host_reads_per_token"] < 0.05
     assert doc["not_run"] == ["offload-03"]  # its engine failed on the GPU host
+
+
+def test_run_units_group_configurations_and_alternate_their_order():
+    from eotools.bench_offload import run_units
+
+    specs = ["unpatched", "offload-02", "offload-01", "offload-03-swap:26"]
+    assert run_units(specs, 1, 0) == [(1, [s]) for s in specs]
+    assert run_units(specs, 2, 1) == [
+        (1, ["offload-02"]),
+        (1, ["offload-01"]),
+        (1, ["offload-03-swap:26"]),
+        (2, ["offload-03-swap:26"]),
+        (2, ["offload-01"]),
+        (2, ["offload-02"]),
+    ]
+    assert run_units(specs, 1, 2) == [
+        (1, ["offload-02", "offload-01"]),
+        (1, ["offload-03-swap:26"]),
+    ]
+
+
+def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_path, monkeypatch):
+    """--group 2: two configurations at a time beside one unpatched engine (one
+    run_engine_group call per unit, labels naming the unit); each ratio is against that
+    engine; a member that fails is reported alone; --from-runs finds the same runs again."""
+    from eotools import bench_offload
+    from eotools import gpu_harness as gh
+
+    raw = repo_root / RAW
+
+    def load(prefix):
+        [f] = [f for f in raw.glob(f"bench-{prefix}-*.json") if "config" not in f.name]
+        return json.loads(f.read_text())
+
+    calls = []
+
+    def fake_group(members, timeout=1800, probe=None, stagger=0):
+        util = os.environ.get("EO_GPU_MEMORY_UTILIZATION")
+        calls.append(([m[0] for m in members], util, stagger))
+        out = [load("unpatched")]
+        for label, config, patched, _tree in members[1:]:
+            assert patched and config["env"] and config["tasks"] == members[0][1]["tasks"]
+            if label == "bench-offload-03":
+                out.append(RuntimeError("engine run bench-offload-03 failed (exit 1)"))
+            else:
+                out.append(load(label.removeprefix("bench-")))
+        return out
+
+    monkeypatch.setattr(gh, "run_engine_group", fake_group)
+    monkeypatch.delenv("EO_GPU_MEMORY_UTILIZATION", raising=False)
+    model = tmp_path / "target-int4-8l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
+    out = tmp_path / "group.json"
+    configs = "unpatched,offload-02,offload-01,offload-03"
+    args = ["--model", str(model), "--group", "2", "--configs", configs]
+    assert bench_offload.main([*args, "--out", str(out)]) == 0
+    first = ["bench-unpatched-for-offload-02+offload-01", "bench-offload-02", "bench-offload-01"]
+    # the first unit starts one unpatched and one patched engine before the others
+    assert calls == [
+        (first, "0.33", 2),
+        (["bench-unpatched-for-offload-03", "bench-offload-03"], "0.33", 0),
+    ]
+    doc = json.loads(out.read_text())
+    rows = {x["config"]: x for x in doc["runs"]}
+    assert set(rows) == {"unpatched", "offload-02", "offload-01"}
+    assert rows["offload-02"]["decode_vs_unpatched"] == pytest.approx(432.3 / 650.8, abs=1e-3)
+    assert list(doc["failed"]) == ["offload-03"]
+
+    # the same unit's runs, as a GPU host leaves them, assembled with --from-runs
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for label in calls[0][0]:
+        src = "unpatched" if "unpatched" in label else label.removeprefix("bench-")
+        (runs / f"{label}-0123456789abcdef.json").write_text(json.dumps(load(src)))
+    again = tmp_path / "again.json"
+    cmd = from_runs_cmd(repo_root, tmp_path, runs, again, "--group", "2", "--configs", configs)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(again.read_text())
+    assert doc["not_run"] == ["offload-03"]
+    ratio = {x["config"]: x["decode_vs_unpatched"] for x in doc["runs"]}
+    assert ratio["offload-02"] == pytest.approx(432.3 / 650.8, abs=1e-3)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""gpu_harness.run_engine_pair and engine_probe.Baton on the CPU, with a stand-in probe: the
-two engines time their requests in turns (never at once), the leader starts only when the
-follower has started too, and a partner that finishes early leaves the other running alone.
+"""gpu_harness.run_engine_pair / run_engine_group and engine_probe.Baton on the CPU, with a
+stand-in probe: the engines time their requests in turns (never at once), in order, starting
+only when all have started; one that finishes early, or dies at start-up, leaves the others
+running, and a group's failure is reported for that member alone.
 
     scripts/test tests/cpu/test_paired_engines.py
 """
@@ -51,9 +52,79 @@ def test_a_partner_that_finishes_early_leaves_the_other_alone(tmp_path, monkeypa
 def test_a_bad_baton_spec_is_refused():
     from eotools.engine_probe import Baton
 
-    with pytest.raises(ValueError, match="leader or follower"):
-        Baton("boss:3:4")
+    for spec in ("leader:3:4", "3", "3:x"):
+        with pytest.raises(ValueError, match="READ_FD:WRITE_FD"):
+            Baton(spec)
     idle = Baton(None)
     with idle.turn():  # no partner: no waiting
         pass
     assert idle.waited_s == 0.0
+
+
+def _spans(*results):
+    return sorted((a, b, tag) for tag, res in results for a, b in res["spans"])
+
+
+def test_a_group_takes_turns_in_order_and_starts_when_all_have_started(tmp_path, monkeypatch):
+    from eotools import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    members = [
+        ("base", {"requests": 3, "startup_s": 0.0}, False, None),
+        ("a", {"requests": 3, "startup_s": 0.6}, False, None),
+        ("b", {"requests": 2, "startup_s": 0.2}, False, None),
+    ]
+    base, a, b = gh.run_engine_group(members, timeout=120, probe=[sys.executable, str(FAKE)])
+    assert min(s[0] for s in _spans(("B", base), ("A", a), ("b", b))) >= a["started"]
+    spans = _spans(("B", base), ("A", a), ("b", b))
+    assert [s[2] for s in spans] == ["B", "A", "b", "B", "A", "b", "B", "A"]
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
+    # each run's cache key names the others, so a pair's run is not a group's
+    configs = sorted(p.name for p in (tmp_path / "runs").glob("*.config.json"))
+    assert len(configs) == 3
+    assert (
+        '"paired_with": "a,b"' in next((tmp_path / "runs").glob("base-*.config.json")).read_text()
+    )
+
+
+def test_a_member_that_dies_at_start_up_fails_alone(tmp_path, monkeypatch):
+    from eotools import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    members = [
+        ("base", {"requests": 2, "startup_s": 0.0}, False, None),
+        ("broken", {"requests": 2, "startup_s": 0.1, "fail_at_start": True}, False, None),
+        ("ok", {"requests": 2, "startup_s": 0.0}, False, None),
+    ]
+    base, broken, ok = gh.run_engine_group(members, timeout=60, probe=[sys.executable, str(FAKE)])
+    assert isinstance(broken, RuntimeError)
+    assert "exit 3" in str(broken) and "start-up failed" in str(broken)
+    spans = _spans(("B", base), ("O", ok))
+    assert [s[2] for s in spans] == ["B", "O", "B", "O"]
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
+    # run_engine_pair raises a member's failure
+    with pytest.raises(RuntimeError, match="exit 3"):
+        gh.run_engine_pair(
+            members[0][:3], members[1][:3], timeout=60, probe=[sys.executable, str(FAKE)]
+        )
+
+
+def test_stagger_starts_the_others_once_the_first_have_started(tmp_path, monkeypatch):
+    """stagger=2: a cold compile cache is filled by the first two engines before the
+    others start (they would otherwise compile the same cache entries at once)."""
+    from eotools import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    members = [
+        ("base", {"requests": 2, "startup_s": 0.3}, False, None),
+        ("a", {"requests": 2, "startup_s": 0.5}, False, None),
+        ("b", {"requests": 2, "startup_s": 0.0}, False, None),
+        ("c", {"requests": 1, "startup_s": 0.0}, False, None),
+    ]
+    base, a, b, c = gh.run_engine_group(
+        members, timeout=60, probe=[sys.executable, str(FAKE)], stagger=2
+    )
+    assert min(b["launched"], c["launched"]) >= max(base["started"], a["started"])
+    spans = _spans(("B", base), ("A", a), ("b", b), ("c", c))
+    assert [s[2] for s in spans] == ["B", "A", "b", "c", "B", "A", "b"]
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))

@@ -45,16 +45,21 @@ from .testmodel.plant import Plan, load_plan
 GiB = 1 << 30
 
 
-def host_reads_per_token(plan: Plan, prompts, outputs, host: dict[int, set[int]]) -> float:
+def host_reads_per_token(
+    plan: Plan, prompts, outputs, host: dict[int, set[int]], share: dict[int, float] | None = None
+) -> float:
     """Mean number of (layer, expert) picks per decode step that land on host experts (the
-    steps that feed generated tokens back: positions len(prompt) .. end - 1)."""
-    reads = tokens = 0
+    steps that feed generated tokens back: positions len(prompt) .. end - 1). `share`
+    weights a layer's picks by the part of each expert's bytes on host (vLLM's
+    --cpu-offload-gb may offload only some of a layer's tensors): reads in whole rows."""
+    reads = 0.0
+    tokens = 0
     for prompt, out in zip(prompts, outputs, strict=True):
         seq = np.array(prompt + out)
         start = len(prompt)
         for layer, cold in host.items():
             picks = plan.router_topk(layer, seq[:-1])[start:]
-            reads += int(np.isin(picks, list(cold)).sum())
+            reads += int(np.isin(picks, list(cold)).sum()) * (share or {}).get(layer, 1.0)
         tokens += len(out) - 1
     return reads / max(tokens, 1)
 
@@ -371,21 +376,17 @@ def main(argv: list[str] | None = None) -> int:
             mem = res["memory"]
             if name.startswith("offload-0") and name != "offload-01":
                 host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
-            if name == "cpu-offload-gb":  # vLLM offloads whole layers' experts, first layers first
-                layer_bytes = (mem["expert_gpu_bytes"] + mem["expert_host_bytes"]) / max(
-                    plan.geometry.num_layers, 1
-                )
-                placed = {
-                    x: every
-                    for x in range(plan.geometry.num_layers)
-                    if x < round(mem["expert_host_bytes"] / max(layer_bytes, 1))
-                }
+            share = None
+            if name == "cpu-offload-gb":
+                placed, share = _uva_placement(mem, plan.geometry.num_layers, every)
             res["host_reads_per_token"] = {}
             for workload, ps in (("fresh", prompts), ("repeat", repeat_prompts)):
                 if f"{workload}_tokens" not in res["tasks"]:  # a run made before this workload
                     continue
                 outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
-                res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed)
+                res["host_reads_per_token"][workload] = host_reads_per_token(
+                    plan, ps, outs, placed, share
+                )
             res["spec"] = {
                 "config": name,
                 "variant": m["variant"],
@@ -496,6 +497,22 @@ def profile_task(prompts: list, decode_tokens: int) -> dict:
         "prompts": prompts[:2],
         "max_tokens": decode_tokens,
     }
+
+
+def _uva_placement(
+    mem: dict, num_layers: int, every: set[int]
+) -> tuple[dict[int, set[int]], dict[int, float] | None]:
+    """Where vLLM's --cpu-offload-gb put experts: it offloads parameter by parameter, first
+    layers first, and may stop inside a layer (e.g. one layer's w13 but not its w2). From
+    the probe's per-layer bytes: every layer with bytes on host, weighted by its host share.
+    Runs made before the probe recorded them: whole layers, rounded."""
+    host, total = mem.get("expert_host_bytes_by_layer"), mem.get("expert_bytes_by_layer")
+    if host and total:
+        placed = {x: every for x, h in enumerate(host) if h}
+        return placed, {x: host[x] / total[x] for x in placed}
+    layer_bytes = (mem["expert_gpu_bytes"] + mem["expert_host_bytes"]) / max(num_layers, 1)
+    whole = round(mem["expert_host_bytes"] / max(layer_bytes, 1))
+    return {x: every for x in range(num_layers) if x < whole}, None
 
 
 def run_units(specs: list[str], rounds: int, group: int) -> list[tuple[int, list[str]]]:

@@ -118,11 +118,14 @@ def _expert_placement(model) -> dict[str, Any]:
 
     gpu = host = short = 0
     layers = one_table_layers = 0
+    host_by_layer: list[int] = []  # per MoE layer, in model order
+    bytes_by_layer: list[int] = []
     methods, kernels = set(), set()
     for m in model.modules():
         if not isinstance(m, RoutedExperts):
             continue
         layers += 1
+        before = (gpu, host)
         methods.add(type(m.quant_method).__name__)
         kernel = getattr(m.quant_method, "moe_kernel", None)
         if kernel is not None:
@@ -135,24 +138,30 @@ def _expert_placement(model) -> dict[str, Any]:
                 host += getattr(owner, "host_bytes", 0)
                 # GPU rows whose bytes the range put in host memory (should be none)
                 short += max(0, table.gpu_rows - getattr(owner, "gpu_rows", table.gpu_rows))
-            continue
-        tables = [m]
-        if "host_experts" in m.__dict__:
-            tables.append(m.__dict__["host_experts"])
-        for t in tables:
-            arena = getattr(t, "_expert_offload_arena", None)
-            size = sum(p.numel() * p.element_size() for p in t.parameters())
-            uva = any(getattr(p, "_vllm_is_uva_offloaded", False) for p in t.parameters())
-            if arena is not None or uva:
-                host += size
-            else:
-                gpu += size
+        else:
+            tables = [m]
+            if "host_experts" in m.__dict__:
+                tables.append(m.__dict__["host_experts"])
+            for t in tables:
+                # offload-01/02 place a table whole (an arena); vLLM's --cpu-offload-gb
+                # offloads parameter by parameter and may stop inside a layer
+                arena = getattr(t, "_expert_offload_arena", None) is not None
+                for p in t.parameters():
+                    size = p.numel() * p.element_size()
+                    if arena or getattr(p, "_vllm_is_uva_offloaded", False):
+                        host += size
+                    else:
+                        gpu += size
+        host_by_layer.append(host - before[1])
+        bytes_by_layer.append(gpu - before[0] + host - before[1])
     return {
         "moe_layers": layers,
         "one_table_layers": one_table_layers,
         "one_table_gpu_rows_in_host_memory": short,
         "expert_gpu_bytes": gpu,
         "expert_host_bytes": host,
+        "expert_host_bytes_by_layer": host_by_layer,
+        "expert_bytes_by_layer": bytes_by_layer,
         "moe_methods": sorted(methods),
         "moe_kernels": sorted(kernels),
     }

@@ -88,3 +88,38 @@ def test_placement_counts_one_table_gpu_rows_that_sit_in_host_memory(monkeypatch
     assert out["one_table_layers"] == out["moe_layers"] == 2
     assert out["one_table_gpu_rows_in_host_memory"] == 1 + 11 + 52
     assert (out["expert_gpu_bytes"], out["expert_host_bytes"]) == (32, 8)
+
+
+def test_placement_counts_uva_offload_by_parameter_and_by_layer(monkeypatch):
+    """vLLM's --cpu-offload-gb offloads parameter by parameter and can stop inside a layer
+    (session f's run: layer 0 whole and layer 1's w13 only). Only the offloaded tensors
+    count as host bytes, per layer, and the benchmark weights that layer's reads by its
+    host share."""
+    import torch
+    from eotools import bench_offload
+    from vllm.model_executor.layers.fused_moe import routed_experts
+
+    class Experts(torch.nn.Module):
+        quant_method = object()
+
+        def __init__(self, offloaded):
+            super().__init__()
+            self.w13 = torch.nn.Parameter(torch.zeros(6, dtype=torch.uint8), requires_grad=False)
+            self.w2 = torch.nn.Parameter(torch.zeros(3, dtype=torch.uint8), requires_grad=False)
+            self.scales = torch.nn.Parameter(torch.zeros(1, dtype=torch.uint8), requires_grad=False)
+            for name in offloaded:
+                getattr(self, name)._vllm_is_uva_offloaded = True
+
+    monkeypatch.setattr(routed_experts, "RoutedExperts", Experts)
+    model = torch.nn.ModuleList([Experts(["w13", "w2", "scales"]), Experts(["w13"]), Experts([])])
+    out = engine_probe._expert_placement(model)
+    assert (out["expert_host_bytes"], out["expert_gpu_bytes"]) == (16, 14)
+    assert out["expert_host_bytes_by_layer"] == [10, 6, 0]
+    assert out["expert_bytes_by_layer"] == [10, 10, 10]
+
+    every = set(range(4))
+    placed, share = bench_offload._uva_placement(out, 3, every)
+    assert placed == {0: every, 1: every} and share == {0: 1.0, 1: 0.6}
+    # a run recorded before the per-layer bytes: whole layers, rounded
+    old = {"expert_host_bytes": 16, "expert_gpu_bytes": 14}
+    assert bench_offload._uva_placement(old, 3, every) == ({0: every, 1: every}, None)

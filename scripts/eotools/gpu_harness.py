@@ -230,8 +230,7 @@ def run_engine_group(
             for i in range(first, len(runs)):
                 spawn(i)
     except BaseException:
-        for p in procs:
-            p.kill()
+        _kill(procs)
         for ch in channels:
             _close(ch)
         for lf in logs:
@@ -241,9 +240,8 @@ def run_engine_group(
     relay.start()
     try:
         codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
+    except BaseException:  # past the deadline, or interrupted
+        _kill(procs)
         raise
     finally:
         relay.join(timeout=10)
@@ -296,6 +294,14 @@ def _hand_turns_round(channels: list[list[int]], started: dict[int, bool]) -> No
             if not back:
                 live.remove(i)
                 _close(channels[i])
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """Kill engine processes and reap them (a killed engine frees its GPU memory)."""
+    for p in procs:
+        p.kill()
+    for p in procs:
+        p.wait()
 
 
 def _close(fds: list[int]) -> None:

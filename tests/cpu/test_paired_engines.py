@@ -128,3 +128,24 @@ def test_stagger_starts_the_others_once_the_first_have_started(tmp_path, monkeyp
     spans = _spans(("B", base), ("A", a), ("b", b), ("c", c))
     assert [s[2] for s in spans] == ["B", "A", "b", "c", "B", "A", "b"]
     assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
+
+
+def test_a_group_past_its_timeout_is_killed(tmp_path, monkeypatch):
+    """An engine that never finishes starting: the group raises TimeoutExpired at its
+    deadline and kills every engine, including the one that stagger kept waiting."""
+    import subprocess
+    import time
+
+    from eotools import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    members = [
+        ("base", {"requests": 1, "startup_s": 60.0}, False, None),
+        ("a", {"requests": 1, "startup_s": 0.0}, False, None),
+        ("b", {"requests": 1, "startup_s": 0.0}, False, None),
+    ]
+    t0 = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        gh.run_engine_group(members, timeout=2, probe=[sys.executable, str(FAKE)], stagger=1)
+    assert time.time() - t0 < 15
+    assert not list((tmp_path / "runs").glob("*[0-9a-f].json"))  # no result was written

@@ -155,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
         "a configuration loses time; the profiler slows the host, so these wall times are "
         "not the benchmark's)",
     )
+    ap.add_argument(
+        "--compare-with",
+        type=pathlib.Path,
+        metavar="EARLIER.json",
+        help="an earlier run of the same suite: list each ratio beside that run's and say "
+        "whether it lies within that run's per-repeat range (does a second run reproduce "
+        "the first?)",
+    )
     ap.add_argument("--out", type=pathlib.Path, required=True, help="result JSON path")
     ap.add_argument(
         "--from-runs",
@@ -445,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": not_run,
         "failed": failed,
     }
+    if args.compare_with:
+        earlier = json.loads(args.compare_with.read_text())
+        doc["reproduction"] = {
+            "against": str(args.compare_with),
+            "against_date": earlier.get("date"),
+            "rows": reproduction(doc, earlier),
+        }
     if args.from_runs:
         doc["engine_runs_command"] = args.ran_as
         doc["date"] = f"{args.ran_at or 'unknown'} (report assembled {doc['date']})"
@@ -652,6 +667,12 @@ def merge_rounds(rows: list[dict]) -> dict:
     ratios = [r["decode_vs_unpatched"] for r in rows if r.get("decode_vs_unpatched")]
     out["decode_vs_unpatched_rounds"] = ratios
     out["decode_vs_unpatched"] = float(np.median(ratios)) if ratios else None
+    by_repeat = [x for r in rows for x in r.get("decode_vs_unpatched_by_repeat") or []]
+    out.pop("decode_vs_unpatched_by_repeat", None)
+    out.pop("decode_vs_unpatched_range", None)
+    if by_repeat:
+        out["decode_vs_unpatched_by_repeat"] = by_repeat
+        out["decode_vs_unpatched_range"] = [min(by_repeat), max(by_repeat)]
     bounds = [r["tpot_vs_bound"] for r in rows if r.get("tpot_vs_bound")]
     out["tpot_vs_bound"] = float(np.median(bounds)) if bounds else None
     if out.get("physical_bound_tpot_ms") is not None:
@@ -785,7 +806,54 @@ def _run_row(
         "decode_vs_unpatched": (
             np.median(dec["decode_tok_s"]) / np.median(ref["decode_tok_s"]) if ref else None
         ),
+        **_repeat_ratios(dec["decode_tok_s"], ref["decode_tok_s"] if ref else None),
     }
+
+
+def _repeat_ratios(mine: list[float], theirs: list[float] | None) -> dict:
+    """Repeat i against the unpatched engine's repeat i, and their range: the spread a
+    ratio carries. With --paired or --group the two repeats ran interleaved, request by
+    request; otherwise one after the other."""
+    if not theirs or len(mine) != len(theirs):
+        return {}
+    ratios = [a / b for a, b in zip(mine, theirs, strict=True)]
+    return {
+        "decode_vs_unpatched_by_repeat": ratios,
+        "decode_vs_unpatched_range": [min(ratios), max(ratios)],
+    }
+
+
+def reproduction(doc: dict, previous: dict) -> list[dict]:
+    """Each configuration x workload of `doc` against the same row of an earlier run of the
+    suite (issue 6: a second run reproduces each ratio within the spread the first reports).
+    A row is reproduced when this run's ratio lies within the earlier run's per-repeat
+    range; rows without a range on both sides are listed, undecided."""
+
+    def rows(d: dict) -> dict:
+        return {
+            (r.get("variant", r["config"]), r["workload"]): r
+            for r in d["runs"]
+            if r["config"] != "unpatched" and r.get("decode_vs_unpatched") is not None
+        }
+
+    before, now = rows(previous), rows(doc)
+    out = []
+    for key in [k for k in now if k in before]:
+        a, b = before[key], now[key]
+        lo_hi = a.get("decode_vs_unpatched_range")
+        within = None if not lo_hi else bool(lo_hi[0] <= b["decode_vs_unpatched"] <= lo_hi[1])
+        out.append(
+            {
+                "config": key[0],
+                "workload": key[1],
+                "before": a["decode_vs_unpatched"],
+                "before_range": lo_hi,
+                "now": b["decode_vs_unpatched"],
+                "now_range": b.get("decode_vs_unpatched_range"),
+                "reproduced": within,
+            }
+        )
+    return out
 
 
 def _ratio_cell(r: dict) -> str:
@@ -795,7 +863,38 @@ def _ratio_cell(r: dict) -> str:
     rounds = r.get("decode_vs_unpatched_rounds")
     if rounds and len(rounds) > 1:
         return f"{ratio:.3f}x ({min(rounds):.3f}-{max(rounds):.3f} over {len(rounds)} rounds)"
+    if r.get("decode_vs_unpatched_range") and r["config"] != "unpatched":
+        lo, hi = r["decode_vs_unpatched_range"]
+        return f"{ratio:.3f}x (repeats {lo:.3f}-{hi:.3f})"
     return f"{ratio:.3f}x"
+
+
+def reproduction_lines(doc: dict) -> list[str]:
+    """The --compare-with section: each ratio beside the earlier run's, and whether it lies
+    within the earlier run's per-repeat range."""
+    rep = doc.get("reproduction")
+    if not rep:
+        return []
+
+    def cell(ratio: float, rng: list[float] | None) -> str:
+        return f"{ratio:.3f}x" + (f" ({rng[0]:.3f}-{rng[1]:.3f})" if rng else "")
+
+    lines = [
+        "",
+        f"Against the earlier run `{rep['against']}` ({rep['against_date']}): "
+        f"{sum(r['reproduced'] is True for r in rep['rows'])} of {len(rep['rows'])} ratios "
+        "within that run's per-repeat range.",
+        "",
+        "| config | workload | earlier run (repeats) | this run (repeats) | within |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rep["rows"]:
+        verdict = {True: "yes", False: "**no**", None: "no range"}[r["reproduced"]]
+        lines.append(
+            f"| {r['config']} | {r['workload']} | {cell(r['before'], r['before_range'])} | "
+            f"{cell(r['now'], r['now_range'])} | {verdict} |"
+        )
+    return lines
 
 
 def _bound_cell(r: dict) -> str:
@@ -848,6 +947,7 @@ def markdown(doc: dict) -> str:
             + ".",
         ]
     lines += profile_lines(doc)
+    lines += reproduction_lines(doc)
     for spec, err in doc.get("failed", {}).items():
         lines += ["", f"FAILED: {spec}: `{err.strip().splitlines()[0] if err.strip() else ''}`"]
     if doc.get("not_run"):

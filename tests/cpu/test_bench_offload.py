@@ -378,3 +378,92 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     assert doc["not_run"] == ["offload-03"]
     ratio = {x["config"]: x["decode_vs_unpatched"] for x in doc["runs"]}
     assert ratio["offload-02"] == pytest.approx(432.3 / 650.8, abs=1e-3)
+
+
+def test_per_repeat_ratios_and_a_reproduction_check_on_two_committed_runs(repo_root, tmp_path):
+    """Each row carries its per-repeat ratios against its own unpatched engine and their
+    range (the spread it reports); --compare-with sets each ratio beside an earlier run's
+    and says whether it lies within that run's range. Session d's and session f's paired
+    offload-03-swap runs (before and after the placement fix) do not agree."""
+    import gzip
+
+    def raw_rates(folder, label, workload):
+        [f] = (repo_root / folder).glob(f"{label}-[0-9a-f]*[0-9a-f].json.gz")
+        return json.loads(gzip.decompress(f.read_bytes()))["tasks"][workload]["decode_tok_s"]
+
+    d_raw = "bench/results/raw/2026-12-01-paired-16l-bench-h200"
+    f_raw = "bench/results/raw/2026-12-01-gpu-session-f-h200/p2"
+    common = ["--paired", "--decode-tokens", "256", "--host-experts-per-layer", "51"]
+    earlier = tmp_path / "d.json"
+    cmd = from_runs_cmd(
+        repo_root,
+        tmp_path,
+        repo_root / d_raw,
+        earlier,
+        *common,
+        "--decide-ab",
+        "--configs",
+        "unpatched,offload-03-swap,offload-03",
+        layers=16,
+    )
+    subprocess.run(cmd, check=True, capture_output=True, cwd=repo_root)
+    later = tmp_path / "f.json"
+    cmd = from_runs_cmd(
+        repo_root,
+        tmp_path,
+        repo_root / f_raw,
+        later,
+        *common,
+        "--configs",
+        "unpatched,offload-03-swap,offload-03-swap+hold",
+        "--compare-with",
+        str(earlier),
+        layers=16,
+    )
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    def expect(folder, workload):
+        mine = raw_rates(folder, "bench-offload-03-swap", workload)
+        base = raw_rates(folder, "bench-unpatched-for-offload-03-swap", workload)
+        ratios = [a / b for a, b in zip(mine, base, strict=True)]
+        return sorted(mine)[1] / sorted(base)[1], [min(ratios), max(ratios)], ratios
+
+    doc = json.loads(later.read_text())
+    rows = {(x.get("variant", x["config"]), x["workload"]): x for x in doc["runs"]}
+    for workload in ("fresh", "repeat"):
+        ratio, rng, ratios = expect(f_raw, workload)
+        row = rows[("offload-03-swap", workload)]
+        assert row["decode_vs_unpatched_by_repeat"] == pytest.approx(ratios)
+        assert row["decode_vs_unpatched_range"] == pytest.approx(rng)
+    rep = {(x["config"], x["workload"]): x for x in doc["reproduction"]["rows"]}
+    assert set(rep) == {("offload-03-swap", "fresh"), ("offload-03-swap", "repeat")}
+    for workload in ("fresh", "repeat"):
+        ratio, rng, _ = expect(d_raw, workload)
+        x = rep[("offload-03-swap", workload)]
+        assert x["before"] == pytest.approx(ratio) and x["before_range"] == pytest.approx(rng)
+        assert x["now"] == pytest.approx(expect(f_raw, workload)[0])
+        assert x["reproduced"] is (rng[0] <= x["now"] <= rng[1])
+    assert rep[("offload-03-swap", "fresh")]["reproduced"] is False  # 0.966 vs 0.835-0.956
+    md = later.with_suffix(".md").read_text()
+    assert "0 of 2 ratios within that run's per-repeat range" in md
+    assert (
+        "| offload-03-swap | fresh | 0.895x (0.835-0.956) | 0.966x (0.911-1.042) | **no** |" in md
+    )
+
+
+def test_reproduction_verdicts():
+    from eotools.bench_offload import reproduction
+
+    def doc(ratio, rng, config="offload-02"):
+        row = {"config": config, "workload": "fresh", "decode_vs_unpatched": ratio}
+        if rng:
+            row["decode_vs_unpatched_range"] = rng
+        base = {"config": "unpatched", "workload": "fresh", "decode_vs_unpatched": 1.0}
+        return {"runs": [base, row]}
+
+    inside = reproduction(doc(0.86, [0.84, 0.88]), doc(0.85, [0.80, 0.90]))
+    assert [(r["config"], r["reproduced"]) for r in inside] == [("offload-02", True)]
+    assert reproduction(doc(0.95, None), doc(0.85, [0.80, 0.90]))[0]["reproduced"] is False
+    assert reproduction(doc(0.85, [0.8, 0.9]), doc(0.85, None))[0]["reproduced"] is None
+    assert reproduction(doc(0.85, None, "offload-01"), doc(0.85, None)) == []

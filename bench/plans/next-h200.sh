@@ -33,10 +33,11 @@ PYTHONPATH=scripts:/tmp/vllm-patched:/tmp/site timeout 120 python3 scripts/bench
 # [offload-02, offload-03, offload-03-swap, cpu-offload-gb] (issues 3 and 4 in one group),
 # [swap 5%, cpu 5%, swap 20%, cpu 20%], [swap 40%, cpu 40%, offload-01]. 128 decode tokens
 # per request (three repeats of every workload after a warm-up) keep all of it in the session
-scripts/gpu-suite --budget-s 1500 --out "$R/p2" \
+# (budgets from the plan's clock: it starts about a minute into the session, whose device
+# time ends at 30 minutes; each group is cut off alone after 900 s, --unit-timeout-s)
+scripts/gpu-suite --budget-s $((1620 - SECONDS)) --out "$R/p2" \
   "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb,offload-03-swap:26,cpu-offload-gb:26,offload-03-swap:102,cpu-offload-gb:102,offload-03-swap:205,cpu-offload-gb:205,offload-01 --group 4 --decode-tokens 128 --repeats 3 --host-read-us 55.5 --out OUT/reference.json"
-# if the table left time (the plan starts about a minute into the session; the device time
-# ends at 30): offload-02 profiled beside its own unpatched engine, for the time its second
+# if the table left time: offload-02 profiled beside its own unpatched engine, for the time its second
 # table's kernel calls add per layer (issue 3: 1.19x its physical bound on fresh prompts
 # in session e, target 1.15x)
 left=$((1620 - SECONDS))

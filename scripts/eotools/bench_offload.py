@@ -138,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         "engines (EO_GPU_MEMORY_UTILIZATION, default here 1/(K+1), at most 0.35)",
     )
     ap.add_argument(
+        "--unit-timeout-s",
+        type=float,
+        default=900,
+        help="with --paired or --group: the longest one unit (its engines' start-up and all "
+        "their tasks) may take before its engines are killed and it is reported failed "
+        "(default 900)",
+    )
+    ap.add_argument(
         "--decide-ab",
         action="store_true",
         help="in every offload-03-swap engine (no variant), also time the decide kernel "
@@ -276,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         elif name == "unpatched":
             patched = False
         elif name == "cpu-offload-gb":
-            # the same host bytes as an offload run of this size made earlier in this run,
-            # else the checkpoint's expert bytes for that many experts in every layer
+            # the same host bytes as an offload run of this size made earlier in this run
+            # (in an earlier unit: members of one unit are prepared before any runs), else
+            # the checkpoint's expert bytes for that many experts in every layer
             same = host_bytes.get(per_layer) or (
                 per_layer * plan.geometry.num_layers * expert_bytes(args.model)
             )
@@ -344,11 +353,15 @@ def main(argv: list[str] | None = None) -> int:
             side = [(base_label, base_config, False, None)] + [
                 (m["label"], m["run_config"], m["patched"], m["tree"]) for m in members
             ]
+            # the first unit fills a cold compile cache with one engine of each kind before
+            # the others start (vLLM's cache index is not written atomically): the
+            # unpatched engine and the members up to the first patched one
+            first_patched = next((i for i, m in enumerate(members) if m["patched"]), 0)
+            stagger = 0 if units_run else 2 + first_patched
+            units_run += 1
             try:
-                # the first unit fills the compile cache with one engine of each kind
-                # first (vLLM's cache index is not written atomically)
-                outs = gh.run_engine_group(side, stagger=0 if units_run else 2)
-                units_run += 1
+                # a unit that hangs is cut off alone; the run's other units still run
+                outs = gh.run_engine_group(side, timeout=args.unit_timeout_s, stagger=stagger)
             except subprocess.TimeoutExpired as e:
                 outs = [RuntimeError(str(e))] * len(side)
             base_res = None if isinstance(outs[0], Exception) else outs[0]
@@ -575,7 +588,10 @@ def _partner_profile(profs: dict, label: str) -> dict | None:
     suffix = f" (round {rnd}" if rnd else ""
     for key, prof in profs.items():
         beside = key.removeprefix("unpatched beside ")
-        listed = beside.removesuffix(suffix).split(", ") if beside.endswith(suffix) else []
+        if suffix:
+            listed = beside.removesuffix(suffix).split(", ") if beside.endswith(suffix) else []
+        else:  # round 1: no round in the name
+            listed = [] if " (round " in beside else beside.split(", ")
         if key != beside and spec in listed:
             return prof
     return profs.get("unpatched" + suffix) or profs.get("unpatched")

@@ -34,8 +34,9 @@ class Baton:
     EO_BATON="READ_FD:WRITE_FD", a pipe pair with the harness that started the engines
     (gpu_harness.run_engine_group), which hands the turn round. Once started, a process says
     so (writes a byte); then it takes a turn (reads a byte), runs one request or untimed
-    task, and gives the turn back (writes a byte). A process that has finished or died
-    closes its pipes and leaves the round; if the harness is gone, this process runs alone."""
+    task, and gives the turn back (writes a byte). A finished process takes a last turn and
+    keeps it until it exits; its pipes then close and it leaves the round, as one that died
+    does. If the harness is gone, this process runs alone."""
 
     def __init__(self, spec: str | None) -> None:
         self.active = bool(spec)
@@ -68,6 +69,12 @@ class Baton:
         except BrokenPipeError:
             os.close(self.wfd)
             self.wfd = -1
+
+    def hold_to_exit(self) -> None:
+        """After the last task: take the turn and keep it. The harness moves on when this
+        process's pipes close at exit, so the engine's shutdown (freeing its GPU memory
+        and CUDA context) overlaps no other engine's timed work."""
+        self.take()
 
     def close(self) -> None:
         for fd in (self.rfd, self.wfd):
@@ -508,7 +515,7 @@ def run(config: dict) -> dict:
     result["swap"] = llm.apply_model(_swap_counters)[0]
     if BATON.active:
         result["baton_waited_s"] = BATON.waited_s
-    BATON.close()  # leaves the round; the others go on without this engine
+    BATON.hold_to_exit()
     return result
 
 

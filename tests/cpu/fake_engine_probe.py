@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Stands in for eotools.engine_probe in tests/cpu/test_paired_engines.py: starts (sleeps),
 then runs CONFIG["requests"] "requests" of 20 ms, each in a turn of engine_probe.Baton, and
-writes when each ran; with CONFIG["fail_at_start"], exits 3 during start-up instead.
+writes when each ran, then "shuts down" for CONFIG["shutdown_s"]; with
+CONFIG["fail_at_start"], exits 3 during start-up instead.
     python3 fake_engine_probe.py CONFIG.json RESULT.json"""
 
 import json
@@ -28,8 +29,17 @@ for _ in range(config["requests"]):
         t0 = time.time()
         time.sleep(0.02)
         spans.append((t0, time.time()))
-baton.close()
+baton.hold_to_exit()
+finished = time.time()
 with open(sys.argv[2], "w") as f:
     json.dump(
-        {"launched": launched, "started": started, "spans": spans, "waited_s": baton.waited_s}, f
+        {
+            "launched": launched,
+            "started": started,
+            "spans": spans,
+            "finished": finished,
+            "waited_s": baton.waited_s,
+        },
+        f,
     )
+time.sleep(config.get("shutdown_s", 0.0))  # an engine freeing its GPU memory

@@ -294,7 +294,7 @@ def test_a_paired_run_with_gzip_compressed_results(repo_root, tmp_path):
     assert swap_fresh["decode_vs_unpatched"] == pytest.approx(490.6 / 547.9, abs=2e-3)
     assert swap_fresh["host_reads_per_token"] == pytest.approx(0.64, abs=0.01)
     assert rows[("offload-03-swap", "repeat")]["host_reads_per_token"] < 0.05
-    assert doc["not_run"] == ["offload-03"]  # its engine failed on the GPU host
+    assert doc["not_run"] == ["offload-01", "offload-03"]  # its engine failed on the GPU host
 
 
 def test_run_units_group_configurations_and_alternate_their_order():
@@ -333,10 +333,12 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
 
     def fake_group(members, timeout=1800, probe=None, stagger=0):
         util = os.environ.get("EO_GPU_MEMORY_UTILIZATION")
-        calls.append(([m[0] for m in members], util, stagger))
+        calls.append(([m[0] for m in members], util, stagger, timeout))
         out = [load("unpatched")]
+        assert not members[0][2] and not members[0][1]["env"]  # the unpatched engine
         for label, config, patched, _tree in members[1:]:
-            assert patched and config["env"] and config["tasks"] == members[0][1]["tasks"]
+            assert patched == ("cpu-offload" not in label)
+            assert config["tasks"] == members[0][1]["tasks"]
             if label == "bench-offload-03":
                 out.append(RuntimeError("engine run bench-offload-03 failed (exit 1)"))
             else:
@@ -349,18 +351,21 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
     subprocess.run([*tool, "--layers", "8", "--no-weights"], check=True, capture_output=True)
     out = tmp_path / "group.json"
-    configs = "unpatched,offload-02,offload-01,offload-03"
+    configs = "unpatched,cpu-offload-gb,offload-02,offload-01,offload-03"
     args = ["--model", str(model), "--group", "2", "--configs", configs]
     assert bench_offload.main([*args, "--out", str(out)]) == 0
-    first = ["bench-unpatched-for-offload-02+offload-01", "bench-offload-02", "bench-offload-01"]
-    # the first unit starts one unpatched and one patched engine before the others
-    assert calls == [
-        (first, "0.33", 2),
-        (["bench-unpatched-for-offload-03", "bench-offload-03"], "0.33", 0),
+    first = [
+        "bench-unpatched-for-cpu-offload-gb+offload-02",
+        "bench-cpu-offload-gb",
+        "bench-offload-02",
     ]
+    second = ["bench-unpatched-for-offload-01+offload-03", "bench-offload-01", "bench-offload-03"]
+    # the first unit starts the unpatched engine and the members up to the first patched
+    # one before the others (a cold compile cache); each unit has its own deadline
+    assert calls == [(first, "0.33", 3, 900), (second, "0.33", 0, 900)]
     doc = json.loads(out.read_text())
     rows = {x["config"]: x for x in doc["runs"]}
-    assert set(rows) == {"unpatched", "offload-02", "offload-01"}
+    assert set(rows) == {"unpatched", "cpu-offload-gb", "offload-02", "offload-01"}
     assert rows["offload-02"]["decode_vs_unpatched"] == pytest.approx(432.3 / 650.8, abs=1e-3)
     assert list(doc["failed"]) == ["offload-03"]
 
@@ -375,7 +380,7 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(again.read_text())
-    assert doc["not_run"] == ["offload-03"]
+    assert doc["not_run"] == ["offload-01", "offload-03"]
     ratio = {x["config"]: x["decode_vs_unpatched"] for x in doc["runs"]}
     assert ratio["offload-02"] == pytest.approx(432.3 / 650.8, abs=1e-3)
 
@@ -467,3 +472,17 @@ def test_reproduction_verdicts():
     assert reproduction(doc(0.95, None), doc(0.85, [0.80, 0.90]))[0]["reproduced"] is False
     assert reproduction(doc(0.85, [0.8, 0.9]), doc(0.85, None))[0]["reproduced"] is None
     assert reproduction(doc(0.85, None, "offload-01"), doc(0.85, None)) == []
+
+
+def test_a_profile_is_set_beside_its_own_rounds_unpatched_partner():
+    from eotools.bench_offload import _partner_profile
+
+    profs = {
+        "unpatched beside a, b (round 2)": "r2",
+        "unpatched beside c, a": "r1",
+        "unpatched": "alone",
+    }
+    assert _partner_profile(profs, "a") == "r1"
+    assert _partner_profile(profs, "a (round 2)") == "r2"
+    assert _partner_profile(profs, "b") == "alone"  # its round-1 partner has no profile
+    assert _partner_profile(profs, "c (round 2)") == "alone"

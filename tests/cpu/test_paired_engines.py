@@ -149,3 +149,19 @@ def test_a_group_past_its_timeout_is_killed(tmp_path, monkeypatch):
         gh.run_engine_group(members, timeout=2, probe=[sys.executable, str(FAKE)], stagger=1)
     assert time.time() - t0 < 15
     assert not list((tmp_path / "runs").glob("*[0-9a-f].json"))  # no result was written
+
+
+def test_a_finished_engine_shuts_down_before_the_next_timed_request(tmp_path, monkeypatch):
+    """An engine that has run its last task keeps the turn until its process has exited:
+    its shutdown (freeing its GPU memory) overlaps no other engine's timed request."""
+    from eotools import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    members = [
+        ("base", {"requests": 1, "startup_s": 0.0, "shutdown_s": 0.5}, False, None),
+        ("a", {"requests": 3, "startup_s": 0.0}, False, None),
+    ]
+    base, a = gh.run_engine_group(members, timeout=60, probe=[sys.executable, str(FAKE)])
+    later = [s for s in a["spans"] if s[0] >= base["finished"]]
+    assert len(later) == 2  # the base finished after the first round
+    assert min(s[0] for s in later) >= base["finished"] + 0.5

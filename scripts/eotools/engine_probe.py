@@ -71,10 +71,14 @@ class Baton:
             self.wfd = -1
 
     def hold_to_exit(self) -> None:
-        """After the last task: take the turn and keep it. The harness moves on when this
-        process's pipes close at exit, so the engine's shutdown (freeing its GPU memory
-        and CUDA context) overlaps no other engine's timed work."""
+        """After the last task: take the turn, say "finished" ("x") and keep the turn. The
+        harness moves on when this process's pipes close at exit (or after a grace time),
+        so the engine's shutdown (freeing its GPU memory and CUDA context) overlaps no
+        other engine's timed work."""
         self.take()
+        if self.wfd >= 0:
+            with contextlib.suppress(BrokenPipeError):
+                os.write(self.wfd, b"x")
 
     def close(self) -> None:
         for fd in (self.rfd, self.wfd):

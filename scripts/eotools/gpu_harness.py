@@ -199,6 +199,7 @@ def run_engine_group(
 
     def spawn(i: int) -> None:
         _, _, patched, tree = members[i]
+        runs[i].result_file.unlink(missing_ok=True)  # a result is this run's or none
         to_child, to_harness = os.pipe(), os.pipe()  # (read, write) each
         lf = open(runs[i].log_file, "w")  # noqa: SIM115 (closed below)
         logs.append(lf)
@@ -238,9 +239,16 @@ def run_engine_group(
         raise
     relay = threading.Thread(target=_hand_turns_round, args=(channels, started), daemon=True)
     relay.start()
+    codes, late = [], set()
     try:
-        codes = [p.wait(timeout=max(1.0, deadline - time.time())) for p in procs]
-    except BaseException:  # past the deadline, or interrupted
+        for i, p in enumerate(procs):
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.time())))
+            except subprocess.TimeoutExpired:  # past the unit's deadline: this one alone
+                p.kill()
+                codes.append(p.wait())
+                late.add(i)
+    except BaseException:  # interrupted
         _kill(procs)
         raise
     finally:
@@ -248,7 +256,15 @@ def run_engine_group(
         for lf in logs:
             lf.close()
     out: list[dict | RuntimeError] = []
-    for run, code in zip(runs, codes, strict=True):
+    for i, (run, code) in enumerate(zip(runs, codes, strict=True)):
+        if i in late and run.result_file.exists():  # it had finished; its exit hung
+            log(f"engine run {run.name} killed at the deadline after writing its result")
+            code = 0
+        elif i in late:
+            out.append(
+                RuntimeError(f"engine run {run.name} killed at the deadline ({timeout:.0f} s)")
+            )
+            continue
         try:
             run.check(code, " (side by side)")
             out.append(run.result())
@@ -270,11 +286,15 @@ def _started(channel: list[int], deadline: float) -> bool:
     return False
 
 
+EXIT_GRACE_S = 60.0  # how long a finished engine may hold the turn while it exits
+
+
 def _hand_turns_round(channels: list[list[int]], started: dict[int, bool]) -> None:
     """The turns of run_engine_group: wait until every engine has started (a byte each, or
     end of file from one that died; `started` holds those already waited for), then give
     the turn to each live engine in order and wait for it back. An engine that has
-    finished or died (end of file, broken pipe) leaves the round. Closes every channel."""
+    finished (it answers "x") keeps the turn until it exits, or EXIT_GRACE_S; one that
+    died (end of file, broken pipe) leaves the round at once. Closes every channel."""
     live = []
     for i, (rfd, _) in enumerate(channels):
         if i not in started:
@@ -290,6 +310,9 @@ def _hand_turns_round(channels: list[list[int]], started: dict[int, bool]) -> No
                 os.write(wfd, b"t")
                 back = os.read(rfd, 1)
             except OSError:  # BrokenPipeError: it closed its end
+                back = b""
+            if back == b"x":  # it has finished and is exiting: let its shutdown run alone
+                select.select([rfd], [], [], EXIT_GRACE_S)
                 back = b""
             if not back:
                 live.remove(i)

@@ -27,7 +27,7 @@ spans = []
 for _ in range(config["requests"]):
     with baton.turn():
         t0 = time.time()
-        time.sleep(0.02)
+        time.sleep(config.get("request_s", 0.02))
         spans.append((t0, time.time()))
 baton.hold_to_exit()
 finished = time.time()

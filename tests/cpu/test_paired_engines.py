@@ -165,3 +165,39 @@ def test_a_finished_engine_shuts_down_before_the_next_timed_request(tmp_path, mo
     later = [s for s in a["spans"] if s[0] >= base["finished"]]
     assert len(later) == 2  # the base finished after the first round
     assert min(s[0] for s in later) >= base["finished"] + 0.5
+
+
+def test_a_hung_exit_holds_the_turn_only_for_the_grace_time(tmp_path, monkeypatch):
+    """A finished engine whose exit hangs: the others go on after EXIT_GRACE_S, and at the
+    unit's deadline it is killed, its result (written before the hang) kept."""
+    import time
+
+    from eotools import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    monkeypatch.setattr(gh, "EXIT_GRACE_S", 0.3)
+    members = [
+        ("base", {"requests": 1, "startup_s": 0.0, "shutdown_s": 60.0}, False, None),
+        ("a", {"requests": 3, "startup_s": 0.0}, False, None),
+    ]
+    t0 = time.time()
+    base, a = gh.run_engine_group(members, timeout=4, probe=[sys.executable, str(FAKE)])
+    assert time.time() - t0 < 15
+    assert len(base["spans"]) == 1 and len(a["spans"]) == 3
+    later = [s[0] for s in a["spans"] if s[0] >= base["finished"]]
+    assert later and base["finished"] + 0.3 <= min(later) < base["finished"] + 3
+
+
+def test_an_engine_that_hangs_in_a_request_fails_the_unit_without_raising(tmp_path, monkeypatch):
+    """An engine stuck while it holds the turn: at the unit's deadline every engine still
+    running is killed and reported failed; bench-offload then goes on with its other units."""
+    from eotools import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    members = [
+        ("base", {"requests": 2, "startup_s": 0.0}, False, None),
+        ("stuck", {"requests": 2, "startup_s": 0.0, "request_s": 60.0}, False, None),
+    ]
+    out = gh.run_engine_group(members, timeout=3, probe=[sys.executable, str(FAKE)])
+    assert all(isinstance(x, RuntimeError) for x in out)
+    assert "killed at the deadline" in str(out[1])

@@ -80,12 +80,6 @@ class Baton:
             with contextlib.suppress(BrokenPipeError):
                 os.write(self.wfd, b"x")
 
-    def close(self) -> None:
-        for fd in (self.rfd, self.wfd):
-            if fd >= 0:
-                os.close(fd)
-        self.rfd = self.wfd = -1
-
     @contextlib.contextmanager
     def turn(self):
         self.take()

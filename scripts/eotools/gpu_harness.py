@@ -274,12 +274,13 @@ def run_engine_group(
     return out
 
 
-def _started(channel: list[int], deadline: float) -> bool:
+def _started(channel: list[int], deadline: float | None = None) -> bool:
     """Wait for an engine's start-up byte: True once it has started, False if it died
-    first (its channel is then closed). Raises TimeoutExpired at the deadline."""
+    first (its channel is then closed). Raises TimeoutExpired at the deadline, if any."""
     rfd = channel[0]
-    if not select.select([rfd], [], [], max(0.0, deadline - time.time()))[0]:
-        raise subprocess.TimeoutExpired("engine start-up", deadline)
+    wait = None if deadline is None else max(0.0, deadline - time.time())
+    if not select.select([rfd], [], [], wait)[0]:
+        raise subprocess.TimeoutExpired("engine start-up", wait or 0.0)
     if os.read(rfd, 1):
         return True
     _close(channel)
@@ -296,11 +297,9 @@ def _hand_turns_round(channels: list[list[int]], started: dict[int, bool]) -> No
     finished (it answers "x") keeps the turn until it exits, or EXIT_GRACE_S; one that
     died (end of file, broken pipe) leaves the round at once. Closes every channel."""
     live = []
-    for i, (rfd, _) in enumerate(channels):
+    for i, channel in enumerate(channels):
         if i not in started:
-            started[i] = bool(os.read(rfd, 1))
-            if not started[i]:
-                _close(channels[i])
+            started[i] = _started(channel)
         if started[i]:
             live.append(i)
     while live:

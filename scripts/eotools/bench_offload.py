@@ -36,6 +36,7 @@ import numpy as np
 
 from . import gpu_harness as gh
 from .bench.configs import CONFIGS
+from .bench.sweep import plot_sweep, sweep_lines
 from .coldset import synthetic_cold_file
 from .nvsmi import gpu_name
 from .selection import expert_bytes
@@ -484,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.report import plot
 
         plot(doc, args.out.with_suffix(".png"))
+        if plot_sweep(doc, args.out.with_suffix(".sweep.png")):
+            gh.log(f"wrote the sweep's plot {args.out.with_suffix('.sweep.png')}")
     except ImportError:
         gh.log("no plot: matplotlib is not installed")
     gh.log(f"wrote {args.out} and its .md table (and .png plot)")
@@ -816,6 +819,8 @@ def _run_row(
         "peak_host_gib": mem["host_peak_rss_bytes"] / GiB,
         "expert_host_gib": mem["expert_host_bytes"] / GiB,
         "expert_gpu_gib": mem["expert_gpu_bytes"] / GiB,
+        "moe_layers": mem.get("moe_layers"),
+        "one_table_layers": mem.get("one_table_layers"),
         "itl_samples": dec["itl_samples"],
         "physical_bound_tpot_ms": bound,
         "tpot_vs_bound": dec["tpot_ms_p50"] / bound if bound else None,
@@ -913,6 +918,25 @@ def reproduction_lines(doc: dict) -> list[str]:
     return lines
 
 
+def path_warnings(doc: dict) -> list[str]:
+    """Rows whose engine did not run the path its configuration names: a one-table
+    configuration with layers that fell back to two tables (the driver refused a range,
+    VRAM ran out while merging), or offload-02 with one-table layers."""
+    out = []
+    for r in doc["runs"]:
+        n, m = r.get("one_table_layers"), r.get("moe_layers")
+        if n is None or not m or r["workload"] != "fresh":
+            continue
+        want = m if r["config"].startswith("offload-03") else 0
+        if r["config"] in ("offload-02", "offload-03", "offload-03-swap") and n != want:
+            out.append(
+                f"WARNING: {r.get('variant', r['config'])} ran with {n} of {m} MoE layers "
+                f"as one table (expected {want}): its rows are not {r['config']}'s (the "
+                "engine log says why each layer kept two tables)."
+            )
+    return out
+
+
 def _bound_cell(r: dict) -> str:
     if r.get("tpot_vs_bound") is None:
         return "-"
@@ -962,6 +986,8 @@ def markdown(doc: dict) -> str:
             + ", ".join(f"{n} {v:.3f} ms" for n, v in p50.items())
             + ".",
         ]
+    lines += sweep_lines(doc)
+    lines += [x for w in path_warnings(doc) for x in ("", w)]
     lines += profile_lines(doc)
     lines += reproduction_lines(doc)
     for spec, err in doc.get("failed", {}).items():

@@ -486,3 +486,76 @@ def test_a_profile_is_set_beside_its_own_rounds_unpatched_partner():
     assert _partner_profile(profs, "a (round 2)") == "r2"
     assert _partner_profile(profs, "b") == "alone"  # its round-1 partner has no profile
     assert _partner_profile(profs, "c (round 2)") == "alone"
+
+
+def test_rows_whose_engine_ran_another_path_are_flagged():
+    """Session g's first group (five engines on one H200) merged only 11 of 16 layers of
+    its one-table engines: VRAM ran out while merging and the rest kept two tables. The
+    report flags such rows instead of presenting them as offload-03's."""
+    from eotools.bench_offload import markdown, path_warnings
+
+    def row(config, n, variant=None):
+        r = {"config": config, "workload": "fresh", "moe_layers": 16, "one_table_layers": n}
+        return r | ({"variant": variant} if variant else {})
+
+    runs = [
+        row("unpatched", 0),
+        row("offload-02", 0),
+        row("offload-03", 11),
+        row("offload-03-swap", 16),
+        row("offload-03-swap", 15, "offload-03-swap:26"),
+        row("offload-02", 3),
+        {**row("offload-03", 11), "workload": "repeat"},  # one line per configuration
+        {"config": "offload-03", "workload": "fresh"},  # a run from before the count
+    ]
+    warnings = path_warnings({"runs": runs})
+    assert [w.split(" ran with ")[0] for w in warnings] == [
+        "WARNING: offload-03",
+        "WARNING: offload-03-swap:26",
+        "WARNING: offload-02",
+    ]
+    assert "11 of 16 MoE layers as one table (expected 16)" in warnings[0]
+    assert "3 of 16 MoE layers as one table (expected 0)" in warnings[2]
+    base = {"suite": "s", "gpu": "g", "date": "d", "command": "c"}
+    stats = {
+        "host_fraction": 0.1, "decode_tok_s": [1.0], "tpot_ms_p50": 1.0, "tpot_ms_p90": 1.0,
+        "ttft_2k_ms": [1.0], "ttft_8k_ms": [1.0], "host_reads_per_token": 0.0,
+        "swaps_per_token": 0.0, "startup_s": 1.0, "decode_vs_unpatched": 1.0,
+    }  # fmt: skip
+    md = markdown({**base, "runs": [{**r, **stats} for r in runs]})
+    assert all(w in md for w in warnings)
+
+
+def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
+    """Issue 6's sweep: offload-03 with swap against --cpu-offload-gb at every cold-set size
+    that both ran, the plain configurations standing for the run's main size."""
+    from eotools.bench.sweep import plot_sweep, sweep_lines, sweep_points
+
+    def row(config, size, workload, ratio, fraction):
+        variant = {"variant": f"{config}:{size}"} if size != 51 else {}
+        return {
+            "config": config, "workload": workload, "decode_vs_unpatched": ratio,
+            "host_fraction": fraction, "decode_vs_unpatched_range": [ratio - 0.02, ratio + 0.01],
+        } | variant  # fmt: skip
+
+    runs = [
+        {"config": "unpatched", "workload": "fresh", "decode_vs_unpatched": 1.0},
+        row("offload-03-swap", 51, "fresh", 0.99, 0.098),
+        row("cpu-offload-gb", 51, "fresh", 0.85, 0.103),
+        row("offload-03-swap", 26, "fresh", 1.02, 0.053),
+        row("cpu-offload-gb", 26, "fresh", 0.95, 0.060),
+        row("offload-03-swap", 205, "fresh", 0.80, 0.40),  # its partner did not run
+        row("offload-02", 51, "fresh", 0.86, 0.1),
+    ]
+    doc = {"gpu": "g", "model": {"host_experts_per_layer": 51}, "runs": runs}
+    points = sweep_points(doc)
+    assert sorted(points) == [("cpu-offload-gb", "fresh"), ("offload-03-swap", "fresh")]
+    swap = points[("offload-03-swap", "fresh")]
+    assert [(p["experts_per_layer"], p["ratio"]) for p in swap] == [(26, 1.02), (51, 0.99)]
+    assert swap[0]["low"] == pytest.approx(1.0) and swap[0]["high"] == pytest.approx(1.03)
+    lines = sweep_lines(doc)
+    assert "| 26 | fresh | 1.020x (0.053) | 0.950x (0.060) | 1.07x |" in lines
+    assert "| 51 | fresh | 0.990x (0.098) | 0.850x (0.103) | 1.16x |" in lines
+    assert plot_sweep(doc, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 1000
+    one_point = {**doc, "runs": runs[:3]}
+    assert sweep_lines(one_point) == [] and not plot_sweep(one_point, tmp_path / "t.png")

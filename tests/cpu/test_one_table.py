@@ -143,3 +143,39 @@ def test_an_unknown_quantisation_method_is_refused_before_any_change(loaded, mon
     with pytest.raises(ExpertOffloadError, match="UnquantizedFusedMoEMethod"):
         one_table.merge(runner.routed_experts, one_table.cpu_allocator)
     assert runner.routed_experts.w13_weight.data_ptr() == w13
+
+
+def test_each_merge_gives_torchs_free_blocks_back_before_it_allocates(loaded, monkeypatch):
+    """The VMM ranges come from the driver, not from torch's pool: a merge first empties
+    the pool, so that the previous layer's replaced tables, freed into it, can back this
+    layer's range. Without that, a GPU that the model nearly fills ran out of VRAM half
+    way through the layers (five 16-layer engines on one H200: 5 of 16 layers fell back
+    to two tables). The layer's record counts a tensor kept whole in VRAM as VRAM."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, processing
+
+    runner, setups = loaded
+    module = runner.routed_experts
+    events = []
+    monkeypatch.setenv("VLLM_EXPERT_SWAP", "0")
+    monkeypatch.setattr(processing, "_one_table_refusal", lambda index: None)
+    monkeypatch.setattr(processing, "records", {})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty the pool"))
+
+    def allocate(rows, gpu_rows, row_shape, dtype, device):  # VRAM played by the CPU
+        events.append("allocate")
+        owner = one_table.VramRows(torch.empty((rows, *row_shape), dtype=dtype))
+        return owner.table, owner
+
+    monkeypatch.setattr(one_table, "vmm_allocator", allocate)
+    nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    nbytes += sum(
+        p.numel() * p.element_size() for p in module.host_experts.parameters(recurse=False)
+    )
+    processing._merge_into_one_table(module, torch.device("cuda", 0))
+
+    assert events[0] == "empty the pool" and events.count("empty the pool") == 1
+    assert events.count("allocate") >= 2 and setups  # merged: w13 and w2 at least
+    assert "one_table" in module.__dict__
+    record = processing.records[module.layer_name]
+    assert record.path == "one table (VLLM_EXPERT_ONE_TABLE)"
+    assert (record.gpu_bytes, record.host_bytes) == (nbytes, 0)

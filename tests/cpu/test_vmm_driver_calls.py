@@ -567,17 +567,45 @@ def test_one_table_puts_every_gpu_row_of_every_tensor_in_vram(fake, monkeypatch)
     """One table's allocator rounds each tensor's VRAM part up, not down: with small rows
     (a layer's scales, 25,600 B here) rounding 461 rows' bytes down to the granularity
     would leave the last 52 of them in host memory, read over PCIe but counted as VRAM
-    rows by the swap policy and the counters."""
+    rows by the swap policy and the counters. Where the host rows fit in that rounding
+    up, the whole tensor stays in VRAM (a plain tensor): never more VRAM than the
+    rounded-up GPU part, and no host memory."""
     import torch
-    from vllm.model_executor.layers.fused_moe.expert_offload.one_table import vmm_allocator
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
 
     monkeypatch.setattr(vmm.SplitTable, "row_view", lambda self, dtype, shape: None)
+    empty = torch.empty
+    devices = []
+
+    def cpu_empty(shape, dtype, device):  # the CPU stands in for the GPU's VRAM
+        devices.append(device)
+        return empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", cpu_empty)
     row, g = 10 * 1280 * 2, 461  # bf16 [10, 1280]
     assert g * row // GRAN * GRAN // row == 409  # what rounding down would keep
-    for rows, gpu_rows in ((512, g), (512, 0), (512, 512), (3, 1)):
-        _, t = vmm_allocator(rows, gpu_rows, (10, 1280), torch.bfloat16, torch.device("cuda", 0))
+    cases = {  # rows, gpu rows -> kept whole in VRAM
+        (512, g): False,  # 51 host rows (1.3 MB) > the rounding (0.78 MB)
+        (512, 500): True,  # 12 host rows (0.3 MB) < the rounding (1.9 MB)
+        (512, 0): False,  # all host
+        (512, 512): True,
+        (3, 1): True,
+    }
+    for (rows, gpu_rows), whole in cases.items():
+        table, t = one_table.vmm_allocator(
+            rows, gpu_rows, (10, 1280), torch.bfloat16, torch.device("cuda", 0)
+        )
+        rounded_up = _round_up(gpu_rows * row, GRAN)
+        assert isinstance(t, one_table.VramRows) is whole, (rows, gpu_rows)
         assert t.gpu_rows >= gpu_rows
-        assert t.gpu_bytes < gpu_rows * row + GRAN  # at most one granule over the rows
-        assert t.gpu_bytes + t.host_bytes == _round_up(rows * row, GRAN)
+        assert t.gpu_bytes <= rounded_up  # at most one granule over the rows
+        if whole:
+            assert (t.gpu_rows, t.gpu_bytes, t.host_bytes) == (rows, rows * row, 0)
+            assert table.shape == (rows, 10, 1280) and table is t.table
+            assert devices.pop() == torch.device("cuda", 0)
+        else:
+            assert t.gpu_bytes == rounded_up
+            assert t.gpu_bytes + t.host_bytes == _round_up(rows * row, GRAN)
         t.close()
+    assert not devices
     fake.assert_clean()

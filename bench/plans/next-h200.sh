@@ -14,10 +14,12 @@
 #
 #   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/next-h200.sh [models] &
 #
-# The checkout (about 13 MB) no longer fits beside the bundle's part a (57 MB) in one
+# The checkout (about 14 MB) no longer fits beside the bundle's part a (57 MB) in one
 # device call (64 MiB): send part a in two halves (.gpu/a1 and .gpu/a2), join them on the
-# host, check the sha256 and install the joined folder; pair a1 with c2, a2 with b2, c with
-# d, and b alone (pycountry moved from c2 to b, so that each call fits beside the checkout).
+# host, check the sha256 and install the joined folder. Calls: a1 with c2, a2 with b2, c
+# with d, and b alone; pycountry moved from c2 to b, anthropic and apache_tvm_ffi from d to
+# b2, so that each call fits beside the checkout (1-6 MB to spare after session g: sum the
+# sizes first; a fifth call when one no longer fits).
 #
 # Expected (30 min of device time, about 1.5 of them for installs and models): the host
 # read, 30 s; the first group 11-12 min (cold compile cache: one unpatched and one patched

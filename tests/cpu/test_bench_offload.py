@@ -516,6 +516,8 @@ def test_rows_whose_engine_ran_another_path_are_flagged():
     ]
     assert "11 of 16 MoE layers as one table (expected 16)" in warnings[0]
     assert "3 of 16 MoE layers as one table (expected 0)" in warnings[2]
+    assert "why the other layers kept two tables" in warnings[0]
+    assert "VLLM_EXPERT_ONE_TABLE was on" in warnings[2]
     base = {"suite": "s", "gpu": "g", "date": "d", "command": "c"}
     stats = {
         "host_fraction": 0.1, "decode_tok_s": [1.0], "tpot_ms_p50": 1.0, "tpot_ms_p90": 1.0,

@@ -21,7 +21,9 @@
 # b2, so that each call fits beside the checkout (1-6 MB to spare after session g: sum the
 # sizes first; a fifth call when one no longer fits).
 #
-# Expected (30 min of device time, about 1.5 of them for installs and models): the host
+# Expected (30 min of device time, about 1.5 of them for installs and models; see common.sh
+# on VLLM_USE_FLASHINFER_SAMPLER=0, new here: check the engine logs for the gap after graph
+# capture): the host
 # read, 30 s; the first group 11-12 min (cold compile cache: one unpatched and one patched
 # engine start first), the second and third about 7 min each. About 26 min in all: the
 # third group is the first to be cut off (--budget-s), and the report is then rebuilt from

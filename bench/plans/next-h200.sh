@@ -23,10 +23,10 @@
 #
 # Expected (30 min of device time, about 1.5 of them for installs and models; see common.sh
 # on VLLM_USE_FLASHINFER_SAMPLER=0, new here: check the engine logs for the gap after graph
-# capture): the host read, 30 s; the first group 11-12 min (cold compile cache: one unpatched and one patched
-# engine start first), the second and third about 7 min each. About 26 min in all: the
-# third group is the first to be cut off (--budget-s), and the report is then rebuilt from
-# the engine runs (--from-runs, same arguments).
+# capture): the host read, 30 s; the first group 11-12 min (cold compile cache: one
+# unpatched and one patched engine start first), the second and third about 7 min each.
+# About 26 min in all: the third group is the first to be cut off (--budget-s), and the
+# report is then rebuilt from the engine runs (--from-runs, same arguments).
 set -u
 # shellcheck source=bench/plans/common.sh
 source "$(dirname "$0")/common.sh"

@@ -185,6 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.group < 0 or (args.paired and args.group not in (0, 1)):
         ap.error("--group takes K >= 1 configurations at a time (--paired is --group 1)")
+    earlier = None
+    if args.compare_with is not None:  # read now: a bad file must not cost the GPU run
+        try:
+            earlier = json.loads(_read_maybe_gzip(args.compare_with))
+        except (OSError, ValueError) as e:
+            ap.error(f"--compare-with {args.compare_with}: {e}")
+        if not isinstance(earlier, dict) or not isinstance(earlier.get("runs"), list):
+            ap.error(
+                f"--compare-with {args.compare_with}: not a bench-offload result (no runs); "
+                "name the JSON file that an earlier run wrote with --out"
+            )
     if (args.paired or args.group) and not args.from_runs:
         # vLLM's start-up check of free GPU memory; the KV cache has a fixed size
         engines = 1 + max(args.group, 1)
@@ -467,8 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         "not_run": not_run,
         "failed": failed,
     }
-    if args.compare_with:
-        earlier = json.loads(args.compare_with.read_text())
+    if earlier is not None:
         doc["reproduction"] = {
             "against": str(args.compare_with),
             "against_date": earlier.get("date"),

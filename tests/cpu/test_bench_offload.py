@@ -561,3 +561,20 @@ def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
     assert plot_sweep(doc, tmp_path / "s.png") and (tmp_path / "s.png").stat().st_size > 1000
     one_point = {**doc, "runs": runs[:3]}
     assert sweep_lines(one_point) == [] and not plot_sweep(one_point, tmp_path / "t.png")
+
+
+def test_a_bad_compare_with_file_stops_before_any_engine_runs(repo_root, tmp_path):
+    """--compare-with is read when the arguments are: a wrong path or a file that is not a
+    suite result stops the command at once (exit 2), not after a GPU run's worth of engines."""
+    tool = [sys.executable, str(repo_root / "scripts/bench-offload"), "--model", str(tmp_path)]
+    not_suite = tmp_path / "other.json"
+    not_suite.write_text('{"suite": "x"}')
+    for path, says in (
+        (tmp_path / "missing.json", "No such file"),
+        (not_suite, "not a bench-offload result (no runs)"),
+    ):
+        out = tmp_path / "o" / "r.json"
+        cmd = [*tool, "--compare-with", str(path), "--out", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
+        assert "--compare-with" in r.stderr and not out.exists()

@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         }
 
     units_run = 0
+    # the unpatched engines of the second and later units of a round (--paired, --group),
+    # reported as rows of their own: each unit's baseline
+    unit_bases: list[str] = []
     for rnd, unit in run_units(specs, args.rounds, group):
         members = [prepare(spec, rnd) for spec in unit]
         in_round = f"-r{rnd}" if rnd > 1 else ""
@@ -399,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             base_res["spec"] = dict(config="unpatched", variant="", tree=None, per_layer=None)
             base_res["host_reads_per_token"] = {w: 0.0 for w in ("fresh", "repeat")}
             base_res["partner_of"] = [m["spec"] for m in members if m["spec"] in got]
-            results.setdefault(("unpatched", rnd), base_res)
+            if results.setdefault(("unpatched", rnd), base_res) is not base_res:
+                label = f"unpatched (beside {', '.join(unit)})"
+                results[(label, rnd)] = base_res
+                unit_bases += [label] if label not in unit_bases else []
         for m in members:
             if m["spec"] not in got:
                 continue
@@ -433,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if res.get("machine") and res["machine"] not in machines:
             machines.append(res["machine"])
     runs = []
-    for spec in specs:
+    for spec in specs + unit_bases:
         for workload in ("fresh", "repeat"):
             per_round = []
             for rnd in range(1, args.rounds + 1):
@@ -442,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 # ratios against the paired unpatched engine, else within the round
                 base = res.get("paired_base") or results.get(("unpatched", rnd))
+                base = res if spec in unit_bases else base  # a unit's own baseline
                 row = _run_row(res["spec"]["config"], workload, res, base, args.host_read_us)
                 if spec != res["spec"]["config"]:
                     row["variant"] = spec
@@ -688,6 +695,9 @@ def merge_rounds(rows: list[dict]) -> dict:
     for k in ("tpot_ms_p50", "tpot_ms_p90", "ttft_ms", "startup_s", "peak_vram_gib"):
         out[k] = med(k)
     out["peak_host_gib"] = max(r["peak_host_gib"] for r in rows)
+    merged = [r.get("one_table_layers") for r in rows]
+    if None not in merged:  # the round furthest from its configuration's path
+        out["one_table_layers"] = (min if out["config"].startswith("offload-03") else max)(merged)
     for k in ("host_reads_per_token", "swaps_per_token"):
         out[k] = float(np.mean([r[k] for r in rows]))
     out["ttft_2k_ms"] = [x for r in rows for x in r["ttft_2k_ms"]]
@@ -951,6 +961,15 @@ def path_warnings(doc: dict) -> list[str]:
     return out
 
 
+def _memory_cell(r: dict) -> str:
+    """The engine's peak VRAM and host memory; the VRAM is the whole device's (marked *)
+    in runs made before the probe read its own process's."""
+    if r.get("peak_vram_gib") is None or r.get("peak_host_gib") is None:
+        return "-"
+    device = "" if str(r.get("vram_source", "")).startswith("this engine") else "*"
+    return f"{r['peak_vram_gib']:.2f}{device} / {r['peak_host_gib']:.2f}"
+
+
 def _bound_cell(r: dict) -> str:
     if r.get("tpot_vs_bound") is None:
         return "-"
@@ -967,8 +986,8 @@ def markdown(doc: dict) -> str:
         "| config | workload | host fraction | same tokens as unpatched | "
         "decode tok/s (median of repeats) | "
         "TPOT p50 / p90 ms | TTFT 2k / 8k ms | host reads/token | swaps/token | start-up s "
-        "| vs unpatched | TPOT vs physical bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak VRAM / host GiB | vs unpatched | TPOT vs physical bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["runs"]:
         lines.append(
@@ -979,7 +998,7 @@ def markdown(doc: dict) -> str:
             f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | "
             f"{np.median(r['ttft_2k_ms']):.1f} / {np.median(r['ttft_8k_ms']):.1f} | "
             f"{r['host_reads_per_token']:.2f} | {r['swaps_per_token']:.3f} | "
-            f"{r['startup_s']:.0f} | "
+            f"{r['startup_s']:.0f} | {_memory_cell(r)} | "
             f"{_ratio_cell(r)} | {_bound_cell(r)} |"
         )
     lines += [
@@ -987,7 +1006,9 @@ def markdown(doc: dict) -> str:
         "The first configuration of a run pays torch.compile and Triton JIT on a cold "
         "cache: compare start-up times between the later configurations only. Host "
         "reads per token come from the planted routing of the decoded tokens, or, with "
-        "runtime swap, from its counters.",
+        "runtime swap, from its counters. Peak VRAM is the engine process's after load "
+        "and graph capture (* the whole device's, in runs from before it was recorded per "
+        "process); host memory is the process's peak resident set, pinned memory included.",
     ]
     for label, ab in doc.get("decide_ab", {}).items():
         lo, hi = ab["pair_ratio_range"]

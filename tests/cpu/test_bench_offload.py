@@ -54,6 +54,10 @@ def test_every_configuration_in_the_result_format(report):
     assert runs["offload-02"]["decode_vs_unpatched"] == pytest.approx(432.3 / 650.8, abs=1e-3)
     assert runs["offload-02"]["host_reads_per_token"] == pytest.approx(2.08, abs=0.01)
     assert "| offload-02 | fresh |" in md
+    # these runs predate per-process VRAM: the device's figure, marked
+    o2 = runs["offload-02"]
+    assert o2["vram_source"].startswith("the whole device")
+    assert f"| {o2['peak_vram_gib']:.2f}* / {o2['peak_host_gib']:.2f} |" in md
 
 
 def test_physical_bound_is_unpatched_tpot_plus_reads_times_the_read_cost(report):
@@ -368,6 +372,10 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     assert set(rows) == {"unpatched", "cpu-offload-gb", "offload-02", "offload-01"}
     assert rows["offload-02"]["decode_vs_unpatched"] == pytest.approx(432.3 / 650.8, abs=1e-3)
     assert list(doc["failed"]) == ["offload-03"]
+    # each unit's unpatched engine is a row of its own, at 1.0x of itself
+    bases = [x for x in doc["runs"] if x["config"] == "unpatched" and x["workload"] == "fresh"]
+    assert [x.get("variant") for x in bases] == [None, "unpatched (beside offload-01, offload-03)"]
+    assert [x["decode_vs_unpatched"] for x in bases] == [1.0, 1.0]
 
     # the same unit's runs, as a GPU host leaves them, assembled with --from-runs
     runs = tmp_path / "runs"
@@ -548,8 +556,11 @@ def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
         row("cpu-offload-gb", 26, "fresh", 0.95, 0.060),
         row("offload-03-swap", 205, "fresh", 0.80, 0.40),  # its partner did not run
         row("offload-02", 51, "fresh", 0.86, 0.1),
+        {**row("offload-03-swap", 51, "fresh", 0.5, 0.098), "variant": "offload-03-swap+hold"},
     ]
     doc = {"gpu": "g", "model": {"host_experts_per_layer": 51}, "runs": runs}
+    recorded = {**runs[3], "host_experts_per_layer": 26}  # as runs record it since session g
+    assert sweep_points({**doc, "runs": runs[:3] + [recorded] + runs[4:]}) == sweep_points(doc)
     points = sweep_points(doc)
     assert sorted(points) == [("cpu-offload-gb", "fresh"), ("offload-03-swap", "fresh")]
     swap = points[("offload-03-swap", "fresh")]
@@ -578,3 +589,23 @@ def test_a_bad_compare_with_file_stops_before_any_engine_runs(repo_root, tmp_pat
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo_root)
         assert r.returncode == 2 and says in r.stderr, r.stderr
         assert "--compare-with" in r.stderr and not out.exists()
+
+
+def test_rounds_keep_the_round_that_ran_another_path():
+    """Merged rounds carry the round furthest from the configuration's path, so that a
+    fallback in any round is flagged."""
+    from eotools.bench_offload import merge_rounds, path_warnings
+
+    def row(config, n):
+        return {
+            "config": config, "workload": "fresh", "decode_tok_s": [1.0], "tpot_ms_p50": 1.0,
+            "tpot_ms_p90": 1.0, "ttft_ms": 1.0, "startup_s": 1.0, "peak_vram_gib": 1.0,
+            "peak_host_gib": 1.0, "host_reads_per_token": 0.0, "swaps_per_token": 0.0,
+            "ttft_2k_ms": [1.0], "ttft_8k_ms": [1.0], "itl_samples": 1,
+            "decode_vs_unpatched": 1.0, "moe_layers": 16, "one_table_layers": n,
+        }  # fmt: skip
+
+    assert merge_rounds([row("offload-03", 16), row("offload-03", 11)])["one_table_layers"] == 11
+    assert merge_rounds([row("offload-02", 0), row("offload-02", 2)])["one_table_layers"] == 2
+    merged = merge_rounds([row("offload-03-swap", 16), row("offload-03-swap", 16)])
+    assert merged["one_table_layers"] == 16 and not path_warnings({"runs": [merged]})

@@ -14,12 +14,14 @@ CONFIGS = ("offload-03-swap", "cpu-offload-gb")
 
 
 def _size(row: dict, main: int | None) -> int | None:
-    """Experts per layer of a sweep row: N from ``CONFIG:N``, else the run's main size."""
-    label = row.get("variant") or row["config"]
-    if label == row["config"]:
-        return main
-    name, _, n = label.partition(":")
-    return int(n) if name == row["config"] and n.isdigit() else None
+    """Experts per layer of a sweep row (as recorded, else N from ``CONFIG:N``, else the
+    run's main size); None for a variant (``+hold``, ``@TREE``), which is no sweep point."""
+    name, _, n = (row.get("variant") or row["config"]).partition(":")
+    if name != row["config"] or (n and not n.isdigit()):
+        return None
+    if row.get("host_experts_per_layer") is not None:
+        return row["host_experts_per_layer"]
+    return int(n) if n else main
 
 
 def sweep_points(doc: dict) -> dict[tuple[str, str], list[dict]]:

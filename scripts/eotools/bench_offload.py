@@ -868,7 +868,8 @@ def reproduction(doc: dict, previous: dict) -> list[dict]:
     """Each configuration x workload of `doc` against the same row of an earlier run of the
     suite (issue 6: a second run reproduces each ratio within the spread the first reports).
     A row is reproduced when this run's ratio lies within the earlier run's per-repeat
-    range; rows without a range on both sides are listed, undecided."""
+    range; rows without a range on both sides, or whose engines ran different paths (one
+    table on a different number of layers), are listed, undecided."""
 
     def rows(d: dict) -> dict:
         return {
@@ -883,6 +884,8 @@ def reproduction(doc: dict, previous: dict) -> list[dict]:
         a, b = before[key], now[key]
         lo_hi = a.get("decode_vs_unpatched_range")
         within = None if not lo_hi else bool(lo_hi[0] <= b["decode_vs_unpatched"] <= lo_hi[1])
+        paths = a.get("one_table_layers"), b.get("one_table_layers")
+        differ = None not in paths and paths[0] != paths[1]
         out.append(
             {
                 "config": key[0],
@@ -891,7 +894,8 @@ def reproduction(doc: dict, previous: dict) -> list[dict]:
                 "before_range": lo_hi,
                 "now": b["decode_vs_unpatched"],
                 "now_range": b.get("decode_vs_unpatched_range"),
-                "reproduced": within,
+                "reproduced": None if differ else within,
+                **({"one_table_layers": list(paths)} if differ else {}),
             }
         )
     return out
@@ -931,6 +935,10 @@ def reproduction_lines(doc: dict) -> list[str]:
     ]
     for r in rep["rows"]:
         verdict = {True: "yes", False: "**no**", None: "no range"}[r["reproduced"]]
+        if "one_table_layers" in r:  # not the same path: no verdict
+            verdict = "not the same path (one table on {} then {} layers)".format(
+                *r["one_table_layers"]
+            )
         lines.append(
             f"| {r['config']} | {r['workload']} | {cell(r['before'], r['before_range'])} | "
             f"{cell(r['now'], r['now_range'])} | {verdict} |"

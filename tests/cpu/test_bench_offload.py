@@ -466,7 +466,7 @@ def test_per_repeat_ratios_and_a_reproduction_check_on_two_committed_runs(repo_r
 
 
 def test_reproduction_verdicts():
-    from eotools.bench_offload import reproduction
+    from eotools.bench_offload import reproduction, reproduction_lines
 
     def doc(ratio, rng, config="offload-02"):
         row = {"config": config, "workload": "fresh", "decode_vs_unpatched": ratio}
@@ -480,6 +480,15 @@ def test_reproduction_verdicts():
     assert reproduction(doc(0.95, None), doc(0.85, [0.80, 0.90]))[0]["reproduced"] is False
     assert reproduction(doc(0.85, [0.8, 0.9]), doc(0.85, None))[0]["reproduced"] is None
     assert reproduction(doc(0.85, None, "offload-01"), doc(0.85, None)) == []
+    # a row whose engine ran another path in one of the runs gets no verdict
+    hybrid, merged = doc(0.9, [0.85, 0.95], "offload-03"), doc(0.9, [0.85, 0.95], "offload-03")
+    hybrid["runs"][1]["one_table_layers"], merged["runs"][1]["one_table_layers"] = 11, 16
+    [row] = reproduction(merged, hybrid)
+    assert row["reproduced"] is None and row["one_table_layers"] == [11, 16]
+    rep = {"against": "a", "against_date": "d", "rows": [row]}
+    lines = reproduction_lines({"reproduction": rep})
+    assert "not the same path (one table on 11 then 16 layers)" in lines[-1]
+    assert reproduction(hybrid, hybrid)[0]["reproduced"] is True
 
 
 def test_a_profile_is_set_beside_its_own_rounds_unpatched_partner():

@@ -35,7 +35,7 @@ import sys
 import numpy as np
 
 from . import gpu_harness as gh
-from .bench.configs import CONFIGS
+from .bench.configs import parse_spec
 from .bench.sweep import plot_sweep, sweep_lines
 from .coldset import synthetic_cold_file
 from .nvsmi import gpu_name
@@ -588,7 +588,7 @@ def profiles(results: dict) -> dict:
     seen = set()
     for (spec, rnd), res in results.items():
         suffix = f" (round {rnd})" if rnd > 1 else ""
-        if spec == "unpatched":  # listed beside its configurations when it was a partner
+        if res["spec"]["config"] == "unpatched":  # listed beside its configurations if a partner
             if id(res) not in partners and "profile" in res["tasks"]:
                 out["unpatched" + suffix] = res["tasks"]["profile"]
             continue
@@ -724,37 +724,6 @@ def merge_rounds(rows: list[dict]) -> dict:
         out["decode_logprob_max_abs_diff"] = max(r["decode_logprob_max_abs_diff"] for r in rows)
     out["rounds"] = len(rows)
     return out
-
-
-def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
-    """A --configs entry: CONFIG[:N][+count][+churn|+hold][@TREE]. `:N` puts N experts of
-    every layer on host (offload-02/03; for cpu-offload-gb the same bytes); `+count` turns the
-    usage-counting hook on; `+churn` makes the runtime swap decide every decode step; `+hold`
-    makes it decide as usual with a margin no count reaches (no swap);
-    `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
-    spec, _, tree = spec.partition("@")
-    head, *extras = spec.split("+")
-    name, _, size = head.partition(":")
-    if name not in CONFIGS:
-        raise SystemExit(f"unknown config {name!r}: one of {', '.join(CONFIGS)}")
-    per_layer = None
-    if size:
-        if not size.isdigit() or int(size) < 1:
-            raise SystemExit(f"{spec!r}: ':N' needs a number of host experts per layer >= 1")
-        if name in ("unpatched", "offload-01"):
-            raise SystemExit(f"{spec!r}: {name} has no host experts per layer to set")
-        per_layer = int(size)
-    for x in extras:
-        if x not in ("count", "churn", "hold"):
-            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count, +churn or +hold")
-    for x in ("churn", "hold"):
-        if x in extras and name != "offload-03-swap":
-            raise SystemExit(f"+{x} needs offload-03-swap, not {name}")
-    if "churn" in extras and "hold" in extras:
-        raise SystemExit(f"{spec!r}: +churn and +hold exclude each other")
-    if (extras or tree) and name in ("unpatched", "cpu-offload-gb"):
-        raise SystemExit(f"{name} runs unpatched vLLM: no variants")
-    return name, "+".join(extras), tree or None, per_layer
 
 
 def spec_slug(spec: str) -> str:

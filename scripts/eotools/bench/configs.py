@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The configuration names of the result format (DEVELOPERS.md): one place for every tool."""
+"""The configuration names of the result format (DEVELOPERS.md): one place for every tool;
+and bench-offload's --configs entries built on them."""
 
 CONFIGS = (
     "unpatched",
@@ -9,3 +10,34 @@ CONFIGS = (
     "offload-03",
     "offload-03-swap",
 )
+
+
+def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
+    """A --configs entry: CONFIG[:N][+count][+churn|+hold][@TREE]. `:N` puts N experts of
+    every layer on host (offload-02/03; for cpu-offload-gb the same bytes); `+count` turns the
+    usage-counting hook on; `+churn` makes the runtime swap decide every decode step; `+hold`
+    makes it decide as usual with a margin no count reaches (no swap);
+    `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
+    spec, _, tree = spec.partition("@")
+    head, *extras = spec.split("+")
+    name, _, size = head.partition(":")
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown config {name!r}: one of {', '.join(CONFIGS)}")
+    per_layer = None
+    if size:
+        if not size.isdigit() or int(size) < 1:
+            raise SystemExit(f"{spec!r}: ':N' needs a number of host experts per layer >= 1")
+        if name in ("unpatched", "offload-01"):
+            raise SystemExit(f"{spec!r}: {name} has no host experts per layer to set")
+        per_layer = int(size)
+    for x in extras:
+        if x not in ("count", "churn", "hold"):
+            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count, +churn or +hold")
+    for x in ("churn", "hold"):
+        if x in extras and name != "offload-03-swap":
+            raise SystemExit(f"+{x} needs offload-03-swap, not {name}")
+    if "churn" in extras and "hold" in extras:
+        raise SystemExit(f"{spec!r}: +churn and +hold exclude each other")
+    if (extras or tree) and name in ("unpatched", "cpu-offload-gb"):
+        raise SystemExit(f"{name} runs unpatched vLLM: no variants")
+    return name, "+".join(extras), tree or None, per_layer

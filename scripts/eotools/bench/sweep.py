@@ -10,18 +10,18 @@ from __future__ import annotations
 
 import pathlib
 
-CONFIGS = ("offload-03-swap", "cpu-offload-gb")
+from .configs import parse_spec
+
+SWEPT = ("offload-03-swap", "cpu-offload-gb")
 
 
 def _size(row: dict, main: int | None) -> int | None:
     """Experts per layer of a sweep row (as recorded, else N from ``CONFIG:N``, else the
     run's main size); None for a variant (``+hold``, ``@TREE``), which is no sweep point."""
-    name, _, n = (row.get("variant") or row["config"]).partition(":")
-    if name != row["config"] or (n and not n.isdigit()):
+    _, extras, tree, n = parse_spec(row.get("variant") or row["config"])
+    if extras or tree:
         return None
-    if row.get("host_experts_per_layer") is not None:
-        return row["host_experts_per_layer"]
-    return int(n) if n else main
+    return row.get("host_experts_per_layer") or n or main
 
 
 def sweep_points(doc: dict) -> dict[tuple[str, str], list[dict]]:
@@ -31,14 +31,14 @@ def sweep_points(doc: dict) -> dict[tuple[str, str], list[dict]]:
     main = (doc.get("model") or {}).get("host_experts_per_layer")
     rows: dict[tuple[str, str, int], dict] = {}
     for r in doc["runs"]:
-        if r["config"] not in CONFIGS or r.get("decode_vs_unpatched") is None:
+        if r["config"] not in SWEPT or r.get("decode_vs_unpatched") is None:
             continue
         size = _size(r, main)
         if size is not None:
             rows[(r["config"], r["workload"], size)] = r
     out: dict[tuple[str, str], list[dict]] = {}
     for (config, workload, size), r in sorted(rows.items(), key=lambda kv: kv[0][2]):
-        if all((c, workload, size) in rows for c in CONFIGS):
+        if all((c, workload, size) in rows for c in SWEPT):
             lo, hi = r.get("decode_vs_unpatched_range") or (None, None)
             out.setdefault((config, workload), []).append(
                 {
@@ -56,7 +56,7 @@ def sweep_lines(doc: dict) -> list[str]:
     """Markdown: each sweep point's two ratios and how much faster the swap is."""
     points = sweep_points(doc)
     workloads = sorted({w for _, w in points})
-    if not points or len(points.get((CONFIGS[0], workloads[0]), [])) < 2:
+    if not points or len(points.get((SWEPT[0], workloads[0]), [])) < 2:
         return []
     lines = [
         "",
@@ -68,7 +68,7 @@ def sweep_lines(doc: dict) -> list[str]:
         "|---|---|---|---|---|",
     ]
     for w in workloads:
-        swap, cpu = (points.get((c, w), []) for c in CONFIGS)
+        swap, cpu = (points.get((c, w), []) for c in SWEPT)
         for s, c in zip(swap, cpu, strict=True):
             lines.append(
                 f"| {s['experts_per_layer']} | {w} | {s['ratio']:.3f}x ({s['host_fraction']:.3f}) "
@@ -103,7 +103,7 @@ def plot_sweep(doc: dict, path: pathlib.Path) -> bool:
             yerr=err,
             capsize=3,
             marker="o",
-            color=f"C{CONFIGS.index(config)}",
+            color=f"C{SWEPT.index(config)}",
             linestyle="-" if workload == "fresh" else "--",
             label=f"{config}, {workload}",
         )

@@ -172,6 +172,90 @@ def _expert_placement(model) -> dict[str, Any]:
     }
 
 
+def _model_storages(model) -> set[int]:
+    """Storage addresses of everything the model holds as its weights: parameters and
+    buffers, and the tensors that offload keeps outside the module tree (a split layer's
+    host table, a one-table layer's ranges)."""
+    import torch
+
+    ptrs: set[int] = set()
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.numel():
+            ptrs.add(t.untyped_storage().data_ptr())
+
+    for m in model.modules():
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+            add(t)
+        host = m.__dict__.get("host_experts")
+        if host is not None:
+            for t in host.parameters():
+                add(t)
+        table = m.__dict__.get("one_table")
+        for owner in getattr(table, "owners", ()):
+            add(getattr(owner, "table", None))
+    return ptrs
+
+
+def tensor_census(model, device_type: str = "cuda", top: int = 20) -> dict[str, Any]:
+    """The live tensors on ``device_type`` that are not the model's weights, grouped by
+    shape and dtype, largest first, each with the kinds of objects that hold one of them.
+    It names what an offload path allocates beside the weights (a copy that outlived its
+    repack, a kernel workspace), which a difference of totals cannot."""
+    import gc
+
+    import torch
+
+    weights = _model_storages(model)
+    seen: set[int] = set()
+    groups: dict[tuple[tuple[int, ...], str], dict[str, Any]] = {}
+    other = 0
+    for obj in gc.get_objects():
+        try:
+            # type(), not isinstance(): some objects answer __class__ with a warning
+            if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:
+                continue
+            storage = obj.untyped_storage()
+        except Exception:  # half-built or exotic tensors
+            continue
+        ptr = storage.data_ptr()
+        if not ptr or ptr in weights or ptr in seen:
+            continue
+        seen.add(ptr)
+        key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
+        g = groups.setdefault(key, {"count": 0, "bytes": 0, "sample": obj})
+        g["count"] += 1
+        g["bytes"] += storage.nbytes()
+        other += storage.nbytes()
+    obj = None
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])[:top]
+    rows = []
+    for (shape, dtype), g in ranked:
+        sample = g.pop("sample")
+        rows.append({"shape": list(shape), "dtype": dtype, **g, "held_by": _holders(sample)})
+    return {"weight_storages": len(weights), "other_bytes": other, "top": rows}
+
+
+def _holders(t: Any, limit: int = 6) -> list[str]:
+    """Who refers to ``t``: ``Type.attribute`` for an object's attribute, else the
+    referrer's type name."""
+    import gc
+
+    names: set[str] = set()
+    for r in gc.get_referrers(t):
+        if isinstance(r, dict):
+            keys = [k for k, v in r.items() if v is t]
+            owners = [o for o in gc.get_referrers(r) if getattr(o, "__dict__", None) is r]
+            if owners and keys:
+                names.update(f"{type(o).__name__}.{keys[0]}" for o in owners)
+                continue
+            names.add(f"dict[{keys[0]!r}]" if keys else "dict")
+        elif type(r).__name__ not in ("frame", "list", "cell"):
+            attrs = [k for k, v in getattr(r, "__dict__", {}).items() if v is t]
+            names.add(f"{type(r).__name__}.{attrs[0]}" if attrs else type(r).__name__)
+    return sorted(names)[:limit]
+
+
 def _greedy(llm, task: dict) -> dict:
     from vllm import SamplingParams
 
@@ -490,11 +574,14 @@ def run(config: dict) -> dict:
     result["memory"] = {
         **placement,
         "torch_allocated_bytes": torch.cuda.memory_allocated(),
+        "torch_reserved_bytes": torch.cuda.memory_reserved(),
         "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
         "device_used_bytes": total - free,
         "process_vram_bytes": process_vram_bytes(),
         "host_peak_rss_bytes_after_load": _vm_hwm_bytes(),
     }
+    # what torch holds beside the weights (KV cache, graph pools, stray copies)
+    result["memory"]["census"] = llm.apply_model(tensor_census)[0]
     BATON.ready()
     for task in config.get("tasks", []):
         t = time.perf_counter()

@@ -123,3 +123,38 @@ def test_placement_counts_uva_offload_by_parameter_and_by_layer(monkeypatch):
     # a run recorded before the per-layer bytes: whole layers, rounded
     old = {"expert_host_bytes": 16, "expert_gpu_bytes": 14}
     assert bench_offload._uva_placement(old, 3, every) == ({0: every, 1: every}, None)
+
+
+def test_census_names_tensors_beside_the_weights():
+    """The census lists live tensors that are not the model's weights (here: a copy that a
+    quantisation config kept of a split layer's host scales), grouped by shape and dtype
+    with their holder, and leaves out parameters, the host table and a view of a weight."""
+    import torch
+
+    class QuantDesc:
+        def __init__(self, scale):
+            self.scale = scale
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w13 = torch.nn.Parameter(torch.ones(37, 4), requires_grad=False)
+            self.register_buffer("expert_map", torch.arange(37))
+            host = torch.nn.Module()
+            host.w13 = torch.nn.Parameter(torch.ones(3, 41), requires_grad=False)
+            self.__dict__["host_experts"] = host
+            self.quant = QuantDesc(torch.ones(3, 53, dtype=torch.float16))  # the stray copy
+            self.view_of_weight = self.w13[:2]  # shares the weight's storage
+
+    model = torch.nn.ModuleList([Layer(), Layer()])
+    kept = {"workspace": torch.zeros(1009, dtype=torch.int32)}
+    out = engine_probe.tensor_census(model, device_type="cpu", top=1000)
+    by_shape = {(tuple(r["shape"]), r["dtype"]): r for r in out["top"]}
+    stray = by_shape[((3, 53), "float16")]
+    assert (stray["count"], stray["bytes"]) == (2, 2 * 3 * 53 * 2)
+    assert stray["held_by"] == ["QuantDesc.scale"]
+    assert by_shape[((1009,), "int32")]["held_by"] == ["dict['workspace']"]
+    for weight in [(37, 4), (3, 41), (37,), (2, 4)]:
+        assert not any(tuple(r["shape"]) == weight for r in out["top"])
+    assert out["other_bytes"] >= 2 * 318 + 4036
+    assert kept  # alive until here

@@ -65,6 +65,14 @@ def host_reads_per_token(
     return reads / max(tokens, 1)
 
 
+def _one_table_placement(memory: dict, placed: dict[int, set[int]]) -> dict[int, set[int]]:
+    """The host experts an engine ran with: one table can keep a few more GPU experts in
+    host rows than the cold file (to keep its VRAM within offload-02's), and its probe
+    says which, per layer; other layers are as placed."""
+    table = memory.get("one_table_host_experts") or {}
+    return {**placed, **{int(k): set(v) for k, v in table.items()}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="bench-offload",
@@ -418,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             share = None
             if name == "cpu-offload-gb":
                 placed, share = _uva_placement(mem, plan.geometry.num_layers, every)
+            placed = _one_table_placement(mem, placed)
             res["host_reads_per_token"] = {}
             for workload, ps in (("fresh", prompts), ("repeat", repeat_prompts)):
                 if f"{workload}_tokens" not in res["tasks"]:  # a run made before this workload

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -124,6 +125,9 @@ def _expert_placement(model) -> dict[str, Any]:
     gpu = host = short = 0
     layers = one_table_layers = 0
     host_by_layer: list[int] = []  # per MoE layer, in model order
+    # one-table layers: the experts in host rows (the cold file's, plus GPU experts that
+    # one table moved there to keep its VRAM within offload-02's), by layer number
+    table_host: dict[str, list[int]] = {}
     bytes_by_layer: list[int] = []
     methods, kernels = set(), set()
     for m in model.modules():
@@ -138,6 +142,9 @@ def _expert_placement(model) -> dict[str, Any]:
         if "one_table" in m.__dict__:  # offload-03: the VMM ranges say where the rows are
             one_table_layers += 1
             table = m.__dict__["one_table"]
+            number = re.search(r"layers\.(\d+)\.", getattr(m, "layer_name", ""))
+            if number:
+                table_host[number[1]] = sorted(table.row_to_expert[table.gpu_rows :])
             for owner in table.owners:
                 gpu += getattr(owner, "gpu_bytes", 0)
                 host += getattr(owner, "host_bytes", 0)
@@ -163,6 +170,7 @@ def _expert_placement(model) -> dict[str, Any]:
         "moe_layers": layers,
         "one_table_layers": one_table_layers,
         "one_table_gpu_rows_in_host_memory": short,
+        "one_table_host_experts": table_host,
         "expert_gpu_bytes": gpu,
         "expert_host_bytes": host,
         "expert_host_bytes_by_layer": host_by_layer,

@@ -158,3 +158,30 @@ def test_census_names_tensors_beside_the_weights():
         assert not any(tuple(r["shape"]) == weight for r in out["top"])
     assert out["other_bytes"] >= 2 * 318 + 4036
     assert kept  # alive until here
+
+
+def test_one_table_host_experts_are_read_from_the_table(monkeypatch):
+    """One table can keep more experts in host rows than the cold file lists (GPU experts
+    it moved there to stay within offload-02's VRAM): the probe reports the rows' experts
+    by layer number, and the benchmark counts host reads against those."""
+    import types
+
+    import torch
+    from eotools import bench_offload
+    from vllm.model_executor.layers.fused_moe import routed_experts
+
+    class Experts(torch.nn.Module):
+        quant_method = object()
+
+    monkeypatch.setattr(routed_experts, "RoutedExperts", Experts)
+    m = Experts()
+    m.layer_name = "model.layers.3.mlp.experts"
+    m.__dict__["one_table"] = types.SimpleNamespace(
+        gpu_rows=4, owners=[], row_to_expert=[0, 2, 3, 5, 7, 1, 4, 6]
+    )
+    out = engine_probe._expert_placement(torch.nn.ModuleList([m]))
+    assert out["one_table_host_experts"] == {"3": [1, 4, 6, 7]}
+
+    placed = {3: {1, 4, 6}, 5: {0}}
+    assert bench_offload._one_table_placement(out, placed) == {3: {1, 4, 6, 7}, 5: {0}}
+    assert bench_offload._one_table_placement({}, placed) == placed

@@ -151,7 +151,7 @@ def test_each_merge_gives_torchs_free_blocks_back_before_it_allocates(loaded, mo
     layer's range. Without that, a GPU that the model nearly fills ran out of VRAM half
     way through the layers (five 16-layer engines on one H200: 5 of 16 layers fell back
     to two tables). The layer's record counts a tensor kept whole in VRAM as VRAM."""
-    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, processing
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, processing, vmm
 
     runner, setups = loaded
     module = runner.routed_experts
@@ -167,6 +167,7 @@ def test_each_merge_gives_torchs_free_blocks_back_before_it_allocates(loaded, mo
         return owner.table, owner
 
     monkeypatch.setattr(one_table, "vmm_allocator", allocate)
+    monkeypatch.setattr(vmm, "granularity", lambda device: 2 << 20)  # no row moves here
     nbytes = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     nbytes += sum(
         p.numel() * p.element_size() for p in module.host_experts.parameters(recurse=False)
@@ -179,3 +180,67 @@ def test_each_merge_gives_torchs_free_blocks_back_before_it_allocates(loaded, mo
     record = processing.records[module.layer_name]
     assert record.path == "one table (VLLM_EXPERT_ONE_TABLE)"
     assert (record.gpu_bytes, record.host_bytes) == (nbytes, 0)
+    assert (record.host_experts, record.moved_to_host) == (len(COLD), 0)
+
+
+def test_gpu_rows_within_keeps_one_tables_vram_within_offload_02s():
+    """Each tensor's VRAM part is rounded up to the granularity so that no GPU row has
+    bytes in host memory; the layer then gives up its last GPU rows until its VRAM is no
+    more than the GPU rows' own bytes (what offload-02's table holds). The reference
+    geometry (INT4 Marlin, 512 experts, w13/w2 weights and scales): 2 of 461 GPU
+    experts at 10% host, where the rounding took 5.8 MiB per layer (session h: 108 MB
+    over 16 layers)."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    gran = 2 << 20
+    row_bytes = [1_638_400, 819_200, 51_200, 25_600]
+
+    def vram(g: int) -> int:
+        return sum(one_table._vram_part(512, g, b, gran) for b in row_bytes)
+
+    assert vram(461) - 461 * sum(row_bytes) == 6_046_720  # 5.77 MiB over, per layer
+    for host, kept in {51: 459, 26: 485, 102: 409, 205: 305}.items():
+        g = 512 - host
+        assert one_table.gpu_rows_within(row_bytes, 512, g, gran) == kept
+        assert vram(kept) <= g * sum(row_bytes) < vram(kept + 1)
+    # rows that fill whole granules: nothing to give up
+    assert one_table.gpu_rows_within([gran, gran // 2], 64, 60, gran) == 60
+    # all rows on the GPU or none: nothing to give up either
+    assert one_table.gpu_rows_within(row_bytes, 512, 512, gran) == 512
+    assert one_table.gpu_rows_within(row_bytes, 512, 0, gran) == 0
+    # tensors far below a granule (a tiny test model): at most a tenth of the rows
+    # would move, which is not enough, so none does and the rounding is the cost
+    assert one_table.gpu_rows_within([8192, 4096], 16, 12, gran) == 12
+
+
+def test_merge_moves_the_highest_id_gpu_experts_into_host_rows(loaded):
+    """With the VMM granularity, merge gives the allocator fewer VRAM rows and reports
+    the GPU experts it moved; rows keep their order (GPU experts ascending, then the
+    cold file's), so the moved experts are the first host rows and their weights are
+    unchanged."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table
+
+    runner, _ = loaded
+    module = runner.routed_experts
+    asked = []
+
+    def allocate(rows, gpu_rows, row_shape, dtype, device):
+        asked.append(gpu_rows)
+        return one_table.cpu_allocator(rows, gpu_rows, row_shape, dtype, device)
+
+    row_bytes = [
+        p.element_size() * p[0].numel()
+        for p in (module.w13_weight, module.w2_weight, module.host_experts.w13_weight)
+    ][:2]
+    gran = 5120
+    rounded = [-(-11 * b // gran) * gran for b in row_bytes]
+    assert sum(rounded) <= 12 * sum(row_bytes) < sum(-(-12 * b // gran) * gran for b in row_bytes)
+
+    table = one_table.merge(module, allocate, granularity=gran)
+
+    gpu = [e for e in range(E) if e not in COLD]
+    assert table.row_to_expert == gpu + COLD
+    assert (table.gpu_rows, table.host_rows, table.moved_to_host) == (11, len(COLD) + 1, 1)
+    assert asked == [11, 11]
+    assert table.row_to_expert[table.gpu_rows] == max(gpu)
+    assert module.w13_weight[:, 0, 0].tolist() == gpu + COLD  # values = expert id

@@ -185,3 +185,38 @@ def test_one_table_host_experts_are_read_from_the_table(monkeypatch):
     placed = {3: {1, 4, 6}, 5: {0}}
     assert bench_offload._one_table_placement(out, placed) == {3: {1, 4, 6, 7}, 5: {0}}
     assert bench_offload._one_table_placement({}, placed) == placed
+
+
+def test_engines_run_on_their_gpus_numa_node(monkeypatch, tmp_path):
+    """Each engine binds itself to the CPUs of its GPU's NUMA node (the PCI device's
+    local_cpulist) before CUDA starts, so that engines of one group do not differ by where
+    the scheduler first put them; EO_PIN_CPUS=0, a node list that sysfs cannot give, or
+    one outside the allowed CPUs leave the affinity alone."""
+    from eotools import nvsmi
+
+    assert engine_probe.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    dev = tmp_path / "0000:18:00.0"
+    dev.mkdir()
+    (dev / "local_cpulist").write_text("0-7\n")
+    monkeypatch.setattr(
+        nvsmi, "query", lambda *a, **k: [["00000000:18:00.0"], ["00000000:2A:00.0"]]
+    )
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert engine_probe.gpu_local_cpus(str(tmp_path)) == set(range(8))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # 0000:2a:00.0 has no sysfs entry here
+    assert engine_probe.gpu_local_cpus(str(tmp_path)) is None
+
+    affinity = {"now": set(range(16))}
+    monkeypatch.setattr(engine_probe.os, "sched_getaffinity", lambda pid: affinity["now"])
+    monkeypatch.setattr(
+        engine_probe.os, "sched_setaffinity", lambda pid, cpus: affinity.update(now=set(cpus))
+    )
+    local = {"cpus": set(range(8))}
+    monkeypatch.setattr(engine_probe, "gpu_local_cpus", lambda: local["cpus"])
+    out = engine_probe.pin_to_gpu_node()
+    assert out["cpus"] == list(range(8)) and out["cpus_before"] == list(range(16))
+
+    for env, cpus in (("0", set(range(8))), ("1", None), ("1", {20, 21})):
+        affinity["now"], local["cpus"] = set(range(16)), cpus
+        monkeypatch.setenv("EO_PIN_CPUS", env)
+        assert engine_probe.pin_to_gpu_node()["cpus"] == list(range(16))

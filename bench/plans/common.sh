@@ -8,7 +8,8 @@ export EO_VLLM_SITE=/tmp/site PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 # every request here is greedy (argmax, no top-k/top-p sampler); vLLM still warms FlashInfer's
 # top-k/top-p sampler up after graph capture, which on a cold host is the likely part of the
 # 2-minute silence after "Graph capturing finished" (session g: 135 s in each of the first
-# two engines). The same for every engine, so ratios are unaffected.
+# two engines; session h, with this set: none, and 72 s in vLLM's first profiling run on a
+# cold compile cache). The same for every engine, so ratios are unaffected.
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # the models' folder and the correctness tests, for the plans' step arguments
 # shellcheck disable=SC2034

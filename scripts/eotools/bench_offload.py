@@ -947,6 +947,55 @@ def path_warnings(doc: dict) -> list[str]:
     return out
 
 
+# how far one unpatched engine's decode speed may sit from the median of a run's unpatched
+# engines before the report says so (repeats inside one engine spread by up to 10%)
+BASELINE_TOLERANCE = 0.10
+
+
+def baseline_lines(doc: dict) -> list[str]:
+    """The run's unpatched engines side by side (with --group, one per unit). They run the
+    same configuration, so they should agree; one that decodes well off the others' median
+    lifts (or lowers) every ratio of its unit by about as much. Session h: one of three
+    decoded 23% below the others for its whole life, and its unit's ratios could not be
+    reproduced."""
+    by_label: dict[str, dict[str, float]] = {}
+    for r in doc["runs"]:
+        if r["config"] == "unpatched":
+            label = r.get("variant", "unpatched")
+            by_label.setdefault(label, {})[r["workload"]] = float(np.median(r["decode_tok_s"]))
+    if len(by_label) < 2:
+        return []
+    workloads = [w for w in ("fresh", "repeat") if all(w in v for v in by_label.values())]
+    if not workloads:
+        return []
+    medians = {w: float(np.median([v[w] for v in by_label.values()])) for w in workloads}
+    spread = " / ".join(
+        f"{max(v[w] for v in by_label.values()) / min(v[w] for v in by_label.values()):.2f}x"
+        for w in workloads
+    )
+    lines = [
+        "",
+        f"Unpatched engines of this run, decode tok/s ({' / '.join(workloads)}): "
+        + "; ".join(
+            f"{label} {' / '.join(f'{v[w]:.1f}' for w in workloads)}"
+            for label, v in by_label.items()
+        )
+        + f" ({spread} apart).",
+    ]
+    for label, v in by_label.items():
+        for w in workloads:
+            off = v[w] / medians[w] - 1
+            if abs(off) > BASELINE_TOLERANCE:
+                lines += [
+                    "",
+                    f"WARNING: {label} decoded {abs(off):.0%} "
+                    f"{'below' if off < 0 else 'above'} the median of this run's unpatched "
+                    f"engines on {w} prompts: the ratios against it are "
+                    f"{'lifted' if off < 0 else 'lowered'} by about as much.",
+                ]
+    return lines
+
+
 def _memory_cell(r: dict) -> str:
     """The engine's peak VRAM and host memory; the VRAM is the whole device's (marked *)
     in runs made before the probe read its own process's."""
@@ -1008,6 +1057,7 @@ def markdown(doc: dict) -> str:
             + ".",
         ]
     lines += sweep_lines(doc)
+    lines += baseline_lines(doc)
     lines += [x for w in path_warnings(doc) for x in ("", w)]
     lines += profile_lines(doc)
     lines += reproduction_lines(doc)

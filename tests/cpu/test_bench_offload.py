@@ -618,3 +618,34 @@ def test_rounds_keep_the_round_that_ran_another_path():
     assert merge_rounds([row("offload-02", 0), row("offload-02", 2)])["one_table_layers"] == 2
     merged = merge_rounds([row("offload-03-swap", 16), row("offload-03-swap", 16)])
     assert merged["one_table_layers"] == 16 and not path_warnings({"runs": [merged]})
+
+
+def test_the_report_flags_an_unpatched_engine_far_from_the_others():
+    """With --group, each unit has its own unpatched engine, all of one configuration. The
+    report lists them, and warns about one that decodes more than 10% off their median
+    (session h: 457 against 594 and 594 tok/s), since every ratio of its unit moves with it."""
+    from eotools import bench_offload
+
+    def row(variant, fresh, repeat):
+        out = []
+        for workload, speeds in (("fresh", fresh), ("repeat", repeat)):
+            r = {"config": "unpatched", "workload": workload, "decode_tok_s": speeds}
+            if variant:
+                r["variant"] = variant
+            out.append(r)
+        return out
+
+    doc = {
+        "runs": row(None, [456.7, 482.5, 434.4], [505.2, 512.3, 468.5])
+        + row("unpatched (beside a)", [624.1, 514.5, 594.1], [572.3, 557.7, 604.2])
+        + row("unpatched (beside b)", [593.8, 615.1, 524.1], [524.2, 559.6, 487.6])
+        + [{"config": "offload-02", "workload": "fresh", "decode_tok_s": [100.0]}]
+    }
+    text = "\n".join(bench_offload.baseline_lines(doc))
+    assert "unpatched 456.7 / 505.2" in text and "(1.30x / 1.13x apart)" in text
+    warnings = [x for x in text.splitlines() if x.startswith("WARNING")]
+    assert warnings == [
+        "WARNING: unpatched decoded 23% below the median of this run's unpatched engines "
+        "on fresh prompts: the ratios against it are lifted by about as much."
+    ]
+    assert bench_offload.baseline_lines({"runs": row(None, [1.0], [1.0])}) == []

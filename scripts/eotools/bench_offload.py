@@ -826,7 +826,57 @@ def _run_row(
             np.median(dec["decode_tok_s"]) / np.median(ref["decode_tok_s"]) if ref else None
         ),
         **_repeat_ratios(dec["decode_tok_s"], ref["decode_tok_s"] if ref else None),
+        "census_vs_unpatched": census_diff(
+            mem.get("census"), base["memory"].get("census") if base else None
+        ),
     }
+
+
+def census_diff(mine: dict | None, base: dict | None, top: int = 8) -> dict | None:
+    """What an engine holds on the GPU beside its weights that its unpatched engine does
+    not (both from the probe's census): the difference of the totals, and the tensor
+    groups (shape, dtype) of which it holds more, largest first."""
+    if not mine or not base or mine is base:
+        return None
+    theirs = {(tuple(g["shape"]), g["dtype"]): g for g in base["top"]}
+    extra = []
+    for g in mine["top"]:
+        other = theirs.get((tuple(g["shape"]), g["dtype"]), {"count": 0, "bytes": 0})
+        if g["bytes"] > other["bytes"]:
+            extra.append(
+                {
+                    "shape": g["shape"],
+                    "dtype": g["dtype"],
+                    "count": g["count"] - other["count"],
+                    "bytes": g["bytes"] - other["bytes"],
+                    "held_by": g.get("held_by", []),
+                }
+            )
+    extra.sort(key=lambda g: -g["bytes"])
+    return {"other_bytes_delta": mine["other_bytes"] - base["other_bytes"], "extra": extra[:top]}
+
+
+def census_lines(doc: dict, threshold: int = 1 << 20) -> list[str]:
+    """One line per configuration that holds more than ``threshold`` bytes beside its
+    weights over its unpatched engine, naming the largest extra tensor groups."""
+    lines = []
+    for r in doc["runs"]:
+        diff = r.get("census_vs_unpatched")
+        if r["workload"] != "fresh" or not diff or diff["other_bytes_delta"] <= threshold:
+            continue
+        groups = "; ".join(
+            f"{g['count']} x {g['dtype']}{g['shape']} ({g['bytes'] / 1e6:.1f} MB"
+            + (f", held by {', '.join(g['held_by'])}" if g["held_by"] else "")
+            + ")"
+            for g in diff["extra"][:4]
+        )
+        lines += [
+            "",
+            f"Beside its weights, {r.get('variant', r['config'])} holds "
+            f"{diff['other_bytes_delta'] / 1e6:.1f} MB more GPU memory in tensors than its "
+            f"unpatched engine: {groups or 'no single group of tensors stands out'}.",
+        ]
+    return lines
 
 
 def _repeat_ratios(mine: list[float], theirs: list[float] | None) -> dict:
@@ -1058,6 +1108,7 @@ def markdown(doc: dict) -> str:
         ]
     lines += sweep_lines(doc)
     lines += baseline_lines(doc)
+    lines += census_lines(doc)
     lines += [x for w in path_warnings(doc) for x in ("", w)]
     lines += profile_lines(doc)
     lines += reproduction_lines(doc)

@@ -649,3 +649,38 @@ def test_the_report_flags_an_unpatched_engine_far_from_the_others():
         "on fresh prompts: the ratios against it are lifted by about as much."
     ]
     assert bench_offload.baseline_lines({"runs": row(None, [1.0], [1.0])}) == []
+
+
+def test_the_report_names_what_an_engine_holds_beside_its_weights():
+    """From the probe's census of both engines: the extra bytes of a configuration over its
+    unpatched engine, and the tensor groups it holds more of (issue 3's 72 MB that
+    offload-02 held in session h, which totals alone could not name)."""
+    from eotools import bench_offload
+
+    kv = {"shape": [2, 4096, 16], "dtype": "bfloat16", "count": 16, "bytes": 4 << 30}
+    base = {"other_bytes": (4 << 30) + 1000, "top": [kv]}
+    stray = {
+        "shape": [51, 20, 1280],
+        "dtype": "float16",
+        "count": 16,
+        "bytes": 16 * 2_611_200,
+        "held_by": ["FusedMoEQuantDesc.scale"],
+    }
+    mine = {"other_bytes": (4 << 30) + 1000 + stray["bytes"], "top": [kv, stray]}
+    diff = bench_offload.census_diff(mine, base)
+    assert diff["other_bytes_delta"] == stray["bytes"]
+    assert diff["extra"] == [stray]  # the KV cache is in both, so not listed
+    assert bench_offload.census_diff(mine, None) is None
+    assert bench_offload.census_diff(base, base) is None
+
+    rows = [
+        {"config": "offload-02", "workload": "fresh", "census_vs_unpatched": diff},
+        {"config": "offload-02", "workload": "repeat", "census_vs_unpatched": diff},
+        {"config": "offload-01", "workload": "fresh", "census_vs_unpatched": None},
+    ]
+    lines = [x for x in bench_offload.census_lines({"runs": rows}) if x]
+    assert lines == [
+        "Beside its weights, offload-02 holds 41.8 MB more GPU memory in tensors than its "
+        "unpatched engine: 16 x float16[51, 20, 1280] (41.8 MB, held by "
+        "FusedMoEQuantDesc.scale)."
+    ]

@@ -372,6 +372,23 @@ def test_startup_lines_say_where_the_experts_are(vllm_cpu, tmp_path):
     assert "split experts (VLLM_EXPERT_COLD_FILE)" in text and "1 of 2 MoE layers" in text
     assert "GiB in host memory" in text and "GiB in VRAM" in text
     assert f"min/median/max = 0/1.5/3 of {E}" in text
+    assert "more experts per layer in host memory than the cold file" not in text
+
+    # one table that moved 2 GPU experts into host rows (to keep its VRAM within
+    # offload-02's) says so
+    from vllm.model_executor.layers.fused_moe.expert_offload import processing
+
+    name = model["a"].routed_experts.layer_name
+    processing.records[name].moved_to_host = 2
+    records.clear()
+    log.addHandler(handler)
+    try:
+        expert_offload.log_summary(model)
+    finally:
+        log.removeHandler(handler)
+        processing.records[name].moved_to_host = 0
+    text = "\n".join(records)
+    assert "keeps 2 more experts per layer in host memory than the cold file, in 1 layers" in text
 
 
 def test_only_this_pipeline_ranks_layers_count_towards_its_budget(tmp_path):

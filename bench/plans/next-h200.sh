@@ -22,7 +22,8 @@
 # The checkout (about 15 MB) does not fit beside the bundle's part a (57 MB) in one device
 # call (64 MiB): send part a in two halves (.gpu/a1 and .gpu/a2), join them on the host,
 # check the sha256 and install the joined folder. Calls: a1 with c2, a2 with b2, c with d,
-# and b alone (sum the sizes first; a fifth call when one no longer fits).
+# and b alone. After session h, anthropic moved from b2 to c2 so that a2+b2 fits beside the
+# grown checkout (sum the sizes first; a fifth call when one no longer fits).
 #
 # Expected (30 min of device time, about 1.5 of them for installs and models): step 1 5-7
 # min (session f: 414 s for this test and its swap-off twin, the unpatched reference runs

@@ -205,7 +205,7 @@ def _model_storages(model) -> set[int]:
     return ptrs
 
 
-def tensor_census(model, device_type: str = "cuda", top: int = 20) -> dict[str, Any]:
+def tensor_census(model, device_type: str = "cuda", top: int = 12) -> dict[str, Any]:
     """The live tensors on ``device_type`` that are not the model's weights, grouped by
     shape and dtype, largest first, each with the kinds of objects that hold one of them.
     It names what an offload path allocates beside the weights (a copy that outlived its
@@ -250,8 +250,10 @@ def _holders(t: Any, limit: int = 6) -> list[str]:
     import gc
 
     names: set[str] = set()
+    dicts = 0
     for r in gc.get_referrers(t):
-        if isinstance(r, dict):
+        if type(r) is dict and dicts < 3:  # each owner lookup scans every object
+            dicts += 1
             keys = [k for k, v in r.items() if v is t]
             owners = [o for o in gc.get_referrers(r) if getattr(o, "__dict__", None) is r]
             if owners and keys:

@@ -37,6 +37,7 @@ import numpy as np
 from . import gpu_harness as gh
 from .bench.configs import parse_spec
 from .bench.sweep import plot_sweep, sweep_lines
+from .bench.uva_budget import budget_for, offload_boundaries
 from .coldset import synthetic_cold_file
 from .nvsmi import gpu_name
 from .selection import expert_bytes
@@ -310,7 +311,13 @@ def main(argv: list[str] | None = None) -> int:
             same = host_bytes.get(per_layer) or (
                 per_layer * plan.geometry.num_layers * expert_bytes(args.model)
             )
-            engine = gh.engine(cpu_offload_gb=same / GiB, cpu_offload_params=["experts"])
+            # vLLM stops at the first parameter boundary at or above its budget: aim at
+            # the boundary nearest the bytes instead (bench/uva_budget.py)
+            bounds = offload_boundaries(
+                args.model, plan.geometry.num_layers, plan.geometry.num_experts
+            )
+            budget = budget_for(same, bounds)[0] if bounds else same
+            engine = gh.engine(cpu_offload_gb=budget / GiB, cpu_offload_params=["experts"])
             patched = False
         if "count" in variant:
             env["VLLM_EXPERT_COUNT_FILE"] = str(args.out.with_suffix(f".{name}.counts.json"))

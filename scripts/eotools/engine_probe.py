@@ -606,7 +606,10 @@ def pin_to_gpu_node() -> dict[str, Any]:
     out: dict[str, Any] = {"cpus_before": before, "gpu_local_cpus": sorted(local or [])}
     usable = (local or set()) & set(before)
     if os.environ.get("EO_PIN_CPUS", "1") != "0" and usable and usable != set(before):
-        os.sched_setaffinity(0, usable)
+        try:
+            os.sched_setaffinity(0, usable)
+        except OSError as e:  # a cpuset that forbids it: run where we are, and say so
+            out["error"] = str(e)
     out["cpus"] = sorted(os.sched_getaffinity(0))
     return out
 

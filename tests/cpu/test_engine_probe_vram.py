@@ -216,6 +216,15 @@ def test_engines_run_on_their_gpus_numa_node(monkeypatch, tmp_path):
     out = engine_probe.pin_to_gpu_node()
     assert out["cpus"] == list(range(8)) and out["cpus_before"] == list(range(16))
 
+    def refuse(pid, cpus):
+        raise PermissionError("Operation not permitted")
+
+    with monkeypatch.context() as m:
+        affinity["now"], local["cpus"] = set(range(16)), set(range(8))
+        m.setattr(engine_probe.os, "sched_setaffinity", refuse)
+        out = engine_probe.pin_to_gpu_node()
+        assert out["cpus"] == list(range(16)) and "not permitted" in out["error"]
+
     for env, cpus in (("0", set(range(8))), ("1", None), ("1", {20, 21})):
         affinity["now"], local["cpus"] = set(range(16)), cpus
         monkeypatch.setenv("EO_PIN_CPUS", env)

@@ -19,11 +19,16 @@
 #
 #   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/next-h200.sh [models] &
 #
-# The checkout (about 15 MB) does not fit beside the bundle's part a (57 MB) in one device
-# call (64 MiB): send part a in two halves (.gpu/a1 and .gpu/a2), join them on the host,
-# check the sha256 and install the joined folder. Calls: a1 with c2, a2 with b2, c with d,
-# and b alone. After session h, anthropic moved from b2 to c2 so that a2+b2 fits beside the
-# grown checkout (sum the sizes first; a fifth call when one no longer fits).
+# The checkout (16.3 MB after session h) does not fit beside the bundle's part a (57 MB) in
+# one device call (64 MiB): send part a in two halves (.gpu/a1 and .gpu/a2), join them on the
+# host, check the sha256 and install the joined folder. After session h the parts were
+# rebalanced into five calls, each with 4-24 MB to spare, because part b alone had 1 MB left:
+#   1. a1 + c2 (flashinfer), with the background "models" start
+#   2. a2 + b2 (joins part a)
+#   3. c (anthropic moved here from c2)
+#   4. d + e (.gpu/e: pycountry from b, apache_tvm_ffi from b2; install.py as any part's)
+#   5. b (the MoE kernels' library), then start the plan and poll
+# Sum the sizes first: `git ls-files -z | xargs -0 du -cb | tail -1` plus each call's parts.
 #
 # Expected (30 min of device time, about 1.5 of them for installs and models): step 1 5-7
 # min (session f: 414 s for this test and its swap-off twin, the unpatched reference runs

@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
     host_layers = {int(x) for x in args.host_layers.split(",") if x}
     every = set(range(plan.geometry.num_experts))
+    # where vLLM's --cpu-offload-gb can stop (None for a weightless model)
+    uva_stops = offload_boundaries(args.model, plan.geometry.num_layers, len(every))
 
     prompts = [
         list(next(data.conversations(plan, d, "heldout", 1, 256, seed=21)).token_ids)
@@ -313,10 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             # vLLM stops at the first parameter boundary at or above its budget: aim at
             # the boundary nearest the bytes instead (bench/uva_budget.py)
-            bounds = offload_boundaries(
-                args.model, plan.geometry.num_layers, plan.geometry.num_experts
-            )
-            budget = budget_for(same, bounds)[0] if bounds else same
+            budget = budget_for(same, uva_stops)[0] if uva_stops else same
             engine = gh.engine(cpu_offload_gb=budget / GiB, cpu_offload_params=["experts"])
             patched = False
         if "count" in variant:

@@ -71,13 +71,10 @@ def normalised_usage(
     return usage
 
 
-def expert_bytes(model_dir: pathlib.Path) -> int:
-    """Bytes of one routed expert in the checkpoint: every tensor of expert 0 of the first MoE
-    layer, read from the safetensors headers (no weights are loaded). A make-test-model
-    directory written without weights states it in synthetic_model.json."""
-    desc = model_dir / "synthetic_model.json"
-    if not any(model_dir.glob("*.safetensors")) and desc.exists():
-        return int(json.loads(desc.read_text())["expert_bytes"])
+def expert0_tensor_bytes(model_dir: pathlib.Path) -> dict[str, int]:
+    """Bytes of each tensor of expert 0 of the first MoE layer in the checkpoint, by its name
+    after '.experts.0.' (e.g. 'gate_proj.qweight'), read from the safetensors headers (no
+    weights are loaded); empty where the checkpoint has no safetensors files or experts."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         where = json.loads(index.read_text())["weight_map"]
@@ -85,7 +82,7 @@ def expert_bytes(model_dir: pathlib.Path) -> int:
     else:
         files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
     pattern = None
-    total = 0
+    sizes: dict[str, int] = {}
     for name in files:
         with open(model_dir / name, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
@@ -93,14 +90,25 @@ def expert_bytes(model_dir: pathlib.Path) -> int:
         for key, meta in header.items():
             if key == "__metadata__" or ".experts.0." not in key:
                 continue
-            prefix = key.split(".experts.0.")[0]
+            prefix, tensor = key.split(".experts.0.", 1)
             if pattern is None:
                 pattern = prefix
             if prefix == pattern:
                 start, end = meta["data_offsets"]
-                total += end - start
+                sizes[tensor] = end - start
         if pattern is not None:
             break
+    return sizes
+
+
+def expert_bytes(model_dir: pathlib.Path) -> int:
+    """Bytes of one routed expert in the checkpoint: every tensor of expert 0 of the first MoE
+    layer, read from the safetensors headers (no weights are loaded). A make-test-model
+    directory written without weights states it in synthetic_model.json."""
+    desc = model_dir / "synthetic_model.json"
+    if not any(model_dir.glob("*.safetensors")) and desc.exists():
+        return int(json.loads(desc.read_text())["expert_bytes"])
+    total = sum(expert0_tensor_bytes(model_dir).values())
     if not total:
         raise SelectionError(
             f"{model_dir}: found no routed expert tensors (names with "

@@ -20,41 +20,24 @@ stop (hundreds of MB either side), where such an error cannot move it to another
 
 from __future__ import annotations
 
-import json
 import pathlib
-import struct
+
+from ..selection import expert0_tensor_bytes
 
 
 def _expert0_bytes(model_dir: pathlib.Path) -> dict[str, int] | None:
     """Bytes of expert 0 of the first MoE layer by part: "w13" (gate_proj and up_proj
     weights or qweights), "w2" (down_proj's), "rest" (every other tensor of the expert).
     None for a checkpoint without safetensors files (a weightless test model)."""
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        return None
     parts = {"w13": 0, "w2": 0, "rest": 0}
-    prefix = None
-    for path in files:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        for key, meta in sorted(header.items()):
-            if key == "__metadata__" or ".experts.0." not in key:
-                continue
-            head, tail = key.split(".experts.0.", 1)
-            prefix = prefix or head
-            if head != prefix:
-                continue
-            proj, _, tensor = tail.partition(".")
-            start, end = meta["data_offsets"]
-            if tensor in ("weight", "qweight") and proj in ("gate_proj", "up_proj"):
-                parts["w13"] += end - start
-            elif tensor in ("weight", "qweight") and proj == "down_proj":
-                parts["w2"] += end - start
-            else:
-                parts["rest"] += end - start
-        if prefix is not None:
-            break
+    for name, size in expert0_tensor_bytes(model_dir).items():
+        proj, _, tensor = name.partition(".")
+        if tensor in ("weight", "qweight") and proj in ("gate_proj", "up_proj"):
+            parts["w13"] += size
+        elif tensor in ("weight", "qweight") and proj == "down_proj":
+            parts["w2"] += size
+        else:
+            parts["rest"] += size
     return parts if parts["w13"] and parts["w2"] else None
 
 

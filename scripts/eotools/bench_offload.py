@@ -835,6 +835,9 @@ def _run_row(
         "census_vs_unpatched": census_diff(
             mem.get("census"), base["memory"].get("census") if base else None
         ),
+        "alloc_sites_vs_unpatched": sites_diff(
+            mem.get("alloc_sites"), base["memory"].get("alloc_sites") if base else None
+        ),
     }
 
 
@@ -862,6 +865,28 @@ def census_diff(mine: dict | None, base: dict | None, top: int = 8) -> dict | No
     return {"other_bytes_delta": mine["other_bytes"] - base["other_bytes"], "extra": extra[:top]}
 
 
+def sites_diff(mine: dict | None, base: dict | None, top: int = 8) -> dict | None:
+    """The same for the allocation sites (EO_ALLOC_HISTORY=1): the code locations at which
+    an engine holds more GPU memory beside its weights than its unpatched engine."""
+    if not mine or not base or mine is base:
+        return None
+    theirs = {g["site"]: g for g in base["top"]}
+    extra = []
+    for g in mine["top"]:
+        other = theirs.get(g["site"], {"count": 0, "bytes": 0})
+        if g["bytes"] > other["bytes"]:
+            extra.append(
+                {
+                    "site": g["site"],
+                    "count": g["count"] - other["count"],
+                    "bytes": g["bytes"] - other["bytes"],
+                    "sizes": g.get("sizes", []),
+                }
+            )
+    extra.sort(key=lambda g: -g["bytes"])
+    return {"other_bytes_delta": mine["other_bytes"] - base["other_bytes"], "extra": extra[:top]}
+
+
 def census_lines(doc: dict, threshold: int = 1 << 20) -> list[str]:
     """One line per configuration that holds more than ``threshold`` bytes beside its
     weights over its unpatched engine, naming the largest extra tensor groups."""
@@ -881,6 +906,20 @@ def census_lines(doc: dict, threshold: int = 1 << 20) -> list[str]:
             f"Beside its weights, {r.get('variant', r['config'])} holds "
             f"{diff['other_bytes_delta'] / 1e6:.1f} MB more GPU memory in tensors than its "
             f"unpatched engine: {groups or 'no single group of tensors stands out'}.",
+        ]
+    for r in doc["runs"]:
+        diff = r.get("alloc_sites_vs_unpatched")
+        if r["workload"] != "fresh" or not diff or diff["other_bytes_delta"] <= threshold:
+            continue
+        sites = "; ".join(
+            f"{g['site']} ({g['count']:+d} blocks, {g['bytes'] / 1e6:.1f} MB)"
+            for g in diff["extra"][:4]
+        )
+        lines += [
+            "",
+            f"Allocated beside its weights, {r.get('variant', r['config'])} holds "
+            f"{diff['other_bytes_delta'] / 1e6:.1f} MB more than its unpatched engine, "
+            f"made at: {sites or 'no single site stands out'}.",
         ]
     return lines
 

@@ -205,11 +205,34 @@ def _model_storages(model) -> set[int]:
     return ptrs
 
 
+@contextlib.contextmanager
+def _gc_unfrozen():
+    """Objects frozen by ``gc.freeze()`` are left out of ``gc.get_objects()``, and vLLM's
+    engine core freezes everything it made during start-up: the model, the KV cache, all
+    of it. Unfreeze for the walk, freeze again after (vLLM froze to keep the collector off
+    those objects)."""
+    import gc
+
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()
+    try:
+        yield
+    finally:
+        if frozen:
+            gc.freeze()
+
+
 def tensor_census(model, device_type: str = "cuda", top: int = 12) -> dict[str, Any]:
     """The live tensors on ``device_type`` that are not the model's weights, grouped by
     shape and dtype, largest first, each with the kinds of objects that hold one of them.
     It names what an offload path allocates beside the weights (a copy that outlived its
     repack, a kernel workspace), which a difference of totals cannot."""
+    with _gc_unfrozen():  # the walk and the referrer lookups both need every object
+        return _tensor_census(model, device_type, top)
+
+
+def _tensor_census(model, device_type: str, top: int) -> dict[str, Any]:
     import gc
 
     import torch
@@ -242,6 +265,65 @@ def tensor_census(model, device_type: str = "cuda", top: int = 12) -> dict[str, 
         sample = g.pop("sample")
         rows.append({"shape": list(shape), "dtype": dtype, **g, "held_by": _holders(sample)})
     return {"weight_storages": len(weights), "other_bytes": other, "top": rows}
+
+
+# EO_ALLOC_HISTORY=1: record where each CUDA allocation is made from engine start-up on
+ALLOC_HISTORY_ENTRIES = 200_000
+
+
+def allocation_sites(
+    snapshot: dict, exclude: set[int], top: int = 12, package: str = "/vllm/"
+) -> dict[str, Any]:
+    """Live CUDA allocations that are not in ``exclude`` (the weights' storages), grouped
+    by the innermost frame under ``package`` that made them, largest first. From the
+    allocator's snapshot (``torch.cuda.memory._snapshot()``) with history recorded since
+    before the engine started, it names the code behind memory that no Python object
+    holds any more (a CUDA-graph pool, a C++ owner) as well as the rest. A block whose
+    stack was not recorded counts under "(no stack recorded)"."""
+    groups: dict[str, dict[str, Any]] = {}
+    total = 0
+    for segment in snapshot.get("segments", []):
+        for block in segment.get("blocks", []):
+            if block.get("state") != "active_allocated" or block["address"] in exclude:
+                continue
+            size = block.get("requested_size") or block["size"]
+            site = _site(block.get("frames") or [], package)
+            g = groups.setdefault(site, {"count": 0, "bytes": 0, "sizes": set()})
+            g["count"] += 1
+            g["bytes"] += size
+            g["sizes"].add(size)
+            total += size
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])[:top]
+    rows = [
+        {"site": site, "count": g["count"], "bytes": g["bytes"], "sizes": sorted(g["sizes"])[:4]}
+        for site, g in ranked
+    ]
+    return {"other_bytes": total, "top": rows}
+
+
+def _site(frames: list[dict], package: str) -> str:
+    """The innermost frame (snapshots list the innermost first) whose file is under
+    ``package``, as ``path/from/package.py:line function``; else the innermost frame."""
+    if not frames:
+        return "(no stack recorded)"
+    frame = next((f for f in frames if package in f.get("filename", "")), frames[0])
+    filename = frame.get("filename", "?")
+    if package in filename:
+        filename = package.strip("/") + "/" + filename.rsplit(package, 1)[1]
+    return f"{filename}:{frame.get('line', '?')} {frame.get('name', '?')}"
+
+
+def _alloc_sites(model) -> dict[str, Any] | None:
+    """For ``llm.apply_model``: the allocation sites beside the weights, then history
+    recording stops (it slows every allocation)."""
+    import torch
+
+    memory = torch.cuda.memory
+    try:
+        snapshot = memory._snapshot()
+    finally:
+        memory._record_memory_history(enabled=None)
+    return allocation_sites(snapshot, _model_storages(model))
 
 
 def _holders(t: Any, limit: int = 6) -> list[str]:
@@ -623,6 +705,10 @@ def run(config: dict) -> dict:
     import torch
     from vllm import LLM
 
+    alloc_history = os.environ.get("EO_ALLOC_HISTORY") == "1"
+    if alloc_history:  # before any CUDA allocation, so every block has its stack
+        torch.cuda.memory._record_memory_history(max_entries=ALLOC_HISTORY_ENTRIES, stacks="python")
+
     result: dict[str, Any] = {"config": config.get("name"), "tasks": {}}
     t0 = time.perf_counter()
     llm = LLM(model=config["model"], **config.get("engine", {}))
@@ -641,6 +727,8 @@ def run(config: dict) -> dict:
     }
     # what torch holds beside the weights (KV cache, graph pools, stray copies)
     result["memory"]["census"] = llm.apply_model(tensor_census)[0]
+    if alloc_history:
+        result["memory"]["alloc_sites"] = llm.apply_model(_alloc_sites)[0]
     BATON.ready()
     for task in config.get("tasks", []):
         t = time.perf_counter()

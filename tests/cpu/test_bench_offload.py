@@ -684,3 +684,30 @@ def test_the_report_names_what_an_engine_holds_beside_its_weights():
         "unpatched engine: 16 x float16[51, 20, 1280] (41.8 MB, held by "
         "FusedMoEQuantDesc.scale)."
     ]
+
+
+def test_the_report_names_the_code_that_allocated_it():
+    """With EO_ALLOC_HISTORY=1 the probe groups live allocations by the vLLM code that
+    made them; the report names the sites where a configuration holds more than its
+    unpatched engine (blocks present in both, the KV cache here, are not listed)."""
+    from eotools import bench_offload
+
+    kv = {"site": "vllm/v1/worker/gpu_model_runner.py:6100 _allocate_kv_cache", "count": 16}
+    base = {"other_bytes": 4 << 30, "top": [{**kv, "bytes": 4 << 30, "sizes": [1 << 28]}]}
+    stray = {
+        "site": "vllm/model_executor/layers/quantization/auto_gptq.py:700 create_weights",
+        "count": 32,
+        "bytes": 71_942_144,
+        "sizes": [1_310_720, 2_621_440],
+    }
+    mine = {"other_bytes": (4 << 30) + stray["bytes"], "top": [base["top"][0], stray]}
+    diff = bench_offload.sites_diff(mine, base)
+    assert diff == {"other_bytes_delta": 71_942_144, "extra": [stray]}
+    assert bench_offload.sites_diff(mine, None) is None
+
+    rows = [{"config": "offload-02", "workload": "fresh", "alloc_sites_vs_unpatched": diff}]
+    assert [x for x in bench_offload.census_lines({"runs": rows}) if x] == [
+        "Allocated beside its weights, offload-02 holds 71.9 MB more than its unpatched "
+        "engine, made at: vllm/model_executor/layers/quantization/auto_gptq.py:700 "
+        "create_weights (+32 blocks, 71.9 MB)."
+    ]

@@ -160,6 +160,109 @@ def test_census_names_tensors_beside_the_weights():
     assert kept  # alive until here
 
 
+def test_census_sees_tensors_after_vllm_freezes_the_collector():
+    """vLLM's engine core calls gc.freeze() after start-up, and gc.get_objects() leaves out
+    frozen objects: session i's census found no tensor at all, the 4 GiB KV cache
+    included. The census unfreezes for its walk (holders included) and freezes again."""
+    import gc
+
+    import torch
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.kv_cache = torch.zeros(4099, dtype=torch.int16)
+    gc.freeze()
+    try:
+        out = engine_probe.tensor_census(torch.nn.Linear(2, 2), device_type="cpu", top=1000)
+        assert gc.get_freeze_count() > 0  # frozen again afterwards
+    finally:
+        gc.unfreeze()
+    row = next(r for r in out["top"] if r["shape"] == [4099])
+    assert (row["dtype"], row["bytes"]) == ("int16", 8198)
+    assert row["held_by"] == ["Holder.kv_cache"]
+
+
+def test_allocation_sites_group_live_blocks_by_the_vllm_code_that_made_them():
+    """From an allocator snapshot with history (innermost frame first): active blocks
+    that are not weights, grouped by the innermost frame under vllm/; freed blocks and
+    the weights' own blocks are left out."""
+
+    def frames(*where):
+        return [{"filename": f, "line": n, "name": fn} for f, n, fn in where]
+
+    alloc = ("/usr/lib/python3/site-packages/torch/utils/_device.py", 104, "__torch_function__")
+    gptq = ("/tmp/site/vllm/model_executor/layers/quantization/auto_gptq.py", 657, "create")
+    kv = ("/tmp/site/vllm/v1/worker/gpu_model_runner.py", 6100, "_allocate_kv_cache")
+    blocks = [
+        {
+            "address": 0x1000,
+            "size": 2 << 20,
+            "requested_size": 1_310_720,
+            "state": "active_allocated",
+            "frames": frames(alloc, gptq),
+        },
+        {
+            "address": 0x9000,
+            "size": 2 << 20,
+            "requested_size": 1_310_720,
+            "state": "active_allocated",
+            "frames": frames(alloc, gptq),
+        },
+        {
+            "address": 0x5000,
+            "size": 4 << 20,
+            "requested_size": 4 << 20,
+            "state": "active_allocated",
+            "frames": frames(kv),
+        },
+        {
+            "address": 0x7000,
+            "size": 8 << 20,
+            "requested_size": 8 << 20,
+            "state": "inactive",
+            "frames": frames(kv),
+        },
+        {
+            "address": 0x8000,
+            "size": 1 << 20,
+            "requested_size": 1 << 20,
+            "state": "active_allocated",
+            "frames": frames(gptq),
+        },
+        {
+            "address": 0xA000,
+            "size": 512,
+            "requested_size": 100,
+            "state": "active_allocated",
+            "frames": [],
+        },
+    ]
+    snapshot = {"segments": [{"blocks": blocks[:3]}, {"blocks": blocks[3:]}]}
+    out = engine_probe.allocation_sites(snapshot, exclude={0x8000})
+    assert out["other_bytes"] == 2 * 1_310_720 + (4 << 20) + 100
+    assert out["top"] == [
+        {
+            "site": "vllm/v1/worker/gpu_model_runner.py:6100 _allocate_kv_cache",
+            "count": 1,
+            "bytes": 4 << 20,
+            "sizes": [4 << 20],
+        },
+        {
+            "site": "vllm/model_executor/layers/quantization/auto_gptq.py:657 create",
+            "count": 2,
+            "bytes": 2_621_440,
+            "sizes": [1_310_720],
+        },
+        {"site": "(no stack recorded)", "count": 1, "bytes": 100, "sizes": [100]},
+    ]
+    # a stack with no vLLM frame is named by its innermost frame
+    only_torch = {"segments": [{"blocks": [{**blocks[0], "frames": frames(alloc)}]}]}
+    site = engine_probe.allocation_sites(only_torch, set())["top"][0]["site"]
+    assert site == "/usr/lib/python3/site-packages/torch/utils/_device.py:104 __torch_function__"
+
+
 def test_one_table_host_experts_are_read_from_the_table(monkeypatch):
     """One table can keep more experts in host rows than the cold file lists (GPU experts
     it moved there to stay within offload-02's VRAM): the probe reports the rows' experts

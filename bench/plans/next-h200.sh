@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# The next GPU session's run (prepared 2026-12-01 after session h, not yet run). Session h
-# ran this plan's predecessor in full (report: bench/results/2026-12-01-gpu-session-h-h200.md):
-# the whole reference table in three groups, every one-table engine on 16 of 16 layers.
-# Since then: one table moves its last GPU experts into host rows so that its VRAM stays
-# within offload-02's (0007: 2 of 461 per layer at 10%), each engine binds to its GPU's NUMA
-# node (engine_probe, EO_PIN_CPUS), and the probe records a census of the CUDA tensors that
-# are not weights (offload-02 held 72 MB more than unpatched in session h).
+# The next GPU session's run (prepared 2026-12-01 after session i, not yet run). Session i
+# ran this plan's predecessor (report: bench/results/2026-12-01-gpu-session-i-h200.md): the
+# whole reference table again, complete, but the correctness test ran out of its budget
+# (its five unpatched reference engines took 388 s on a cold compile cache) and the census
+# of non-weight GPU memory came back empty (vLLM freezes the garbage collector; fixed).
 # This run:
-#   1. the one-table correctness test with a swap in every layer at every step (0007
-#      changed where the GPU/host boundary of each table lies): greedy tokens and logprobs
-#      against the unpatched engine, after more than 10,000 swaps, live self-check on;
-#   2. the same bench-offload suite as session h, same --configs and groups, compared with
-#      session h's table (--compare-with): the reproduction, now with pinned engines. The
-#      offload-03 rows without swap have 2 more host experts per layer than in session h
-#      and may move; the others ran the same code.
+#   1. the one-table correctness test with a swap in every layer at every step (0007's
+#      boundary: 3 more host experts per layer at 10%), with the budget a cold cache needs;
+#   2. the swap kernels' timings, with the new one: a swap of one target expert across
+#      PCIe (session i: with swap, fresh prompts decoded 0.21 ms per token slower than one
+#      table without swap while reading 5x fewer host rows; the swap's own cost has only
+#      been measured between VRAM rows);
+#   3. group 1 of the suite (unpatched, offload-02, one table, swap, --cpu-offload-gb at
+#      10%) with EO_ALLOC_HISTORY=1: the census and the allocation sites name offload-02's
+#      72 MB beside its weights (issue 3), and a third run of group 1 against session i.
+
 # Started as before (from a copy of the checkout, in the background, "models" first while
 # the bundle installs); results under R, R/done at the end.
 #
@@ -30,21 +31,21 @@
 #   5. b (the MoE kernels' library), then start the plan and poll
 # Sum the sizes first: `git ls-files -z | xargs -0 du -cb | tail -1` plus each call's parts.
 #
-# Expected (30 min of device time, about 1.5 of them for installs and models): step 1 5-7
-# min (session f: 414 s for this test and its swap-off twin, the unpatched reference runs
-# included); the suite as in session h (group 1 557 s on a cold compile cache, 406 s,
-# 332 s). Correctness comes first: the suite's third group (5% and 20%) will likely be cut
-# off (--budget-s), and the report is then rebuilt from the engine runs (--from-runs, same
-# arguments).
+# Expected (30 min of device time, about 1.5 of them for installs and models; session i
+# used 10 min for installs, models and the first poll together): step 1 about 8 min on a
+# cold compile cache (session i: 388 s for the five unpatched reference engines alone);
+# step 2 under a minute; step 3 as session i's group 1 (373 s) or session h's on a cold
+# cache (557 s), plus the slower start-up of recording engines.
 set -u
 # shellcheck source=bench/plans/common.sh
 source "$(dirname "$0")/common.sh"
 plan_models "${1:-}" "$0"
-scripts/gpu-suite --budget-s 450 --out "$R/p1" \
+scripts/gpu-suite --budget-s 720 --out "$R/p1" \
   "tests:$T::test_int4_one_table_matches_unpatched[every-step] -rA -s"
-# groups of four in --configs order: [offload-02, offload-03, offload-03-swap,
-# cpu-offload-gb], [swap 40%, cpu 40%, offload-01, swap 5%], [cpu 5%, swap 20%, cpu 20%];
-# 128 decode tokens, 3 repeats of every workload after a warm-up
-scripts/gpu-suite --budget-s $((1640 - SECONDS)) --out "$R/p2" \
-  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --host-layers 0,1 --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb,offload-03-swap:205,cpu-offload-gb:205,offload-01,offload-03-swap:26,cpu-offload-gb:26,offload-03-swap:102,cpu-offload-gb:102 --group 4 --decode-tokens 128 --repeats 3 --host-read-us 55.5 --compare-with bench/results/2026-12-01-reference-c-16l-h200.json --out OUT/reference.json"
+scripts/gpu-suite --budget-s 150 --out "$R/p2" \
+  "tests:tests/gpu/test_swap_kernels_gpu.py -k timing -rA -s"
+# group 1 of session i's suite, with every engine recording where it allocates (start-up
+# slows; the decode timings come after the recording stops)
+EO_ALLOC_HISTORY=1 scripts/gpu-suite --budget-s $((1640 - SECONDS)) --out "$R/p3" \
+  "bench:--model $M/target-int4-16l --host-experts-per-layer 51 --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb --group 4 --decode-tokens 128 --repeats 3 --host-read-us 55.5 --compare-with bench/results/2026-12-01-reference-d-16l-h200.json --out OUT/group1.json"
 date -u +%FT%TZ > "$R/done"

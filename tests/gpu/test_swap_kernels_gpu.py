@@ -314,3 +314,61 @@ def test_timings() -> None:
         f"swap_rows all {layers} layers swapping (VRAM rows): "
         f"{busy * 1e3:.1f} us, {moved * layers / busy / 1e6:.1f} GB/s"
     )
+
+
+def test_timing_of_a_swap_across_pcie() -> None:
+    """Informational: one swap of a target-model expert (the INT4 row's four tensors:
+    w13, w2 and their scales) between a VRAM row and a host row of VMM tables, against
+    the copy engine moving the same bytes both ways. A swap round reads the host row and
+    writes it back over PCIe; this is what each swap adds to a decode step."""
+    try:
+        vmm = _load_vmm()
+    except Exception as e:  # cuda-python or vllm missing
+        pytest.skip(f"VMM wrapper not importable: {e}")
+    from eotools.host_read import EXPERT_BYTES
+
+    # enough rows that even the smallest tensor's table has rows past its first 2 MiB
+    experts = 128
+    parts = [1_638_400, 819_200, 51_200, 25_600]  # w13, w2, w13 scales, w2 scales
+    assert sum(parts) == EXPERT_BYTES
+    gran = vmm.granularity(0)
+    tables = []
+    try:
+        for part in parts:
+            gpu = -(-(experts // 2) * part // gran) * gran  # half the rows, rounded up
+            tables.append(vmm.SplitTable(experts, part, gpu_bytes=gpu, device=0))
+    except vmm.VmmError as e:
+        for t in tables:
+            t.close()
+        pytest.skip(f"no host-NUMA VMM here: {e}")
+    try:
+        views = [t.row_view(torch.uint8, (part,)) for t, part in zip(tables, parts, strict=True)]
+        host_row = experts - 1
+        assert all(0 < t.gpu_rows <= host_row for t in tables), tables
+        state = sk.SwapCounters.create([min(t.gpu_rows for t in tables)], experts, DEVICE)
+        swap_tables = sk.SwapTables.build([views])
+        state.decision[0, 0] = 0
+        state.decision[0, 1] = host_row
+        per_swap = _time_ms(lambda: sk.swap_rows(state, swap_tables), 50)
+        graph = _capture(lambda: [sk.swap_rows(state, swap_tables) for _ in range(10)])
+        in_graph = _time_ms(graph.replay, 10) / 10
+        staging = torch.empty(EXPERT_BYTES, dtype=torch.uint8, device=DEVICE)
+        pinned = torch.empty(EXPERT_BYTES, dtype=torch.uint8).pin_memory()
+
+        def copy_both_ways() -> None:
+            staging.copy_(pinned, non_blocking=True)
+            pinned.copy_(staging, non_blocking=True)
+
+        copies = _time_ms(copy_both_ways, 50)
+        print(
+            f"\nswap_rows, one {EXPERT_BYTES} B expert VRAM<->host in {len(parts)} tables, "
+            f"grid 1x{swap_tables.num_slots}x{swap_tables.num_chunks}: "
+            f"{per_swap * 1e3:.1f} us eager, {in_graph * 1e3:.1f} us in a graph "
+            f"({2 * EXPERT_BYTES / in_graph / 1e6:.1f} GB/s both ways); the copy engine "
+            f"moves the same bytes both ways in {copies * 1e3:.1f} us"
+        )
+        del views
+        torch.cuda.synchronize()
+    finally:
+        for t in tables:
+            t.close()

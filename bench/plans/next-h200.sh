@@ -8,9 +8,9 @@
 #   1. the one-table correctness test with a swap in every layer at every step (0007's
 #      boundary: 3 more host experts per layer at 10%), with the budget a cold cache needs;
 #   2. the swap kernels' timings, with the new one: a swap of one target expert across
-#      PCIe (session i: with swap, fresh prompts decoded 0.21 ms per token slower than one
-#      table without swap while reading 5x fewer host rows; the swap's own cost has only
-#      been measured between VRAM rows);
+#      PCIe (session i: with swap, fresh prompts decoded 0.13 +- 0.08 ms per token slower
+#      than one table without swap while reading 5x fewer host rows; the swap's own cost
+#      has only been measured between VRAM rows);
 #   3. group 1 of the suite (unpatched, offload-02, one table, swap, --cpu-offload-gb at
 #      10%) with EO_ALLOC_HISTORY=1: the census and the allocation sites name offload-02's
 #      72 MB beside its weights (issue 3), and a third run of group 1 against session i.

@@ -968,10 +968,28 @@ def reproduction(doc: dict, previous: dict) -> list[dict]:
                 "now": b["decode_vs_unpatched"],
                 "now_range": b.get("decode_vs_unpatched_range"),
                 "reproduced": None if differ else within,
+                "baseline_off": [baseline_offset(previous, a), baseline_offset(doc, b)],
                 **({"one_table_layers": list(paths)} if differ else {}),
             }
         )
     return out
+
+
+def baseline_offset(doc: dict, row: dict) -> float | None:
+    """How far the unpatched engine that ``row``'s ratio divides by decoded from the median
+    of ``doc``'s unpatched engines (same workload), as a fraction: -0.23 for session h's
+    slow group-1 engine. Its speed is the row's median over its ratio, so rows of runs
+    made before rows named their baseline work too. None with fewer than two unpatched
+    engines to compare."""
+    ratio, mine = row.get("decode_vs_unpatched"), row.get("decode_tok_s")
+    bases = [
+        float(np.median(r["decode_tok_s"]))
+        for r in doc["runs"]
+        if r["config"] == "unpatched" and r["workload"] == row["workload"] and r.get("decode_tok_s")
+    ]
+    if not ratio or not mine or len(bases) < 2:
+        return None
+    return float(np.median(mine)) / ratio / float(np.median(bases)) - 1
 
 
 def _ratio_cell(r: dict) -> str:
@@ -997,14 +1015,29 @@ def reproduction_lines(doc: dict) -> list[str]:
     def cell(ratio: float, rng: list[float] | None) -> str:
         return f"{ratio:.3f}x" + (f" ({rng[0]:.3f}-{rng[1]:.3f})" if rng else "")
 
+    def off(x: float | None) -> str:
+        flag = "**" if x is not None and abs(x) > BASELINE_TOLERANCE else ""
+        return "-" if x is None else f"{flag}{x:+.0%}{flag}"
+
+    def flagged(r: dict) -> bool:
+        return any(x is not None and abs(x) > BASELINE_TOLERANCE for x in r.get("baseline_off", []))
+
+    misses = [r for r in rep["rows"] if r["reproduced"] is False]
     lines = [
         "",
         f"Against the earlier run `{rep['against']}` ({rep['against_date']}): "
         f"{sum(r['reproduced'] is True for r in rep['rows'])} of {len(rep['rows'])} ratios "
-        "within that run's per-repeat range.",
+        "within that run's per-repeat range"
+        + (
+            f"; {sum(flagged(r) for r in misses)} of the {len(misses)} outside it divide by an "
+            f"unpatched engine more than {BASELINE_TOLERANCE:.0%} off its run's median."
+            if misses
+            else "."
+        ),
         "",
-        "| config | workload | earlier run (repeats) | this run (repeats) | within |",
-        "|---|---|---|---|---|",
+        "| config | workload | earlier run (repeats) | this run (repeats) | within | "
+        "its unpatched engine vs its run's median (earlier / this) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         verdict = {True: "yes", False: "**no**", None: "no range"}[r["reproduced"]]
@@ -1012,9 +1045,11 @@ def reproduction_lines(doc: dict) -> list[str]:
             verdict = "not the same path (one table on {} then {} layers)".format(
                 *r["one_table_layers"]
             )
+        base_off = r.get("baseline_off") or [None, None]
         lines.append(
             f"| {r['config']} | {r['workload']} | {cell(r['before'], r['before_range'])} | "
-            f"{cell(r['now'], r['now_range'])} | {verdict} |"
+            f"{cell(r['now'], r['now_range'])} | {verdict} | "
+            f"{off(base_off[0])} / {off(base_off[1])} |"
         )
     return lines
 

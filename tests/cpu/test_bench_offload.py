@@ -711,3 +711,35 @@ def test_the_report_names_the_code_that_allocated_it():
         "engine, made at: vllm/model_executor/layers/quantization/auto_gptq.py:700 "
         "create_weights (+32 blocks, 71.9 MB)."
     ]
+
+
+def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
+    """Each reproduction row says how far the unpatched engine its ratio divides by sat
+    from its run's median unpatched engine, in both runs, read from the committed tables
+    (older rows do not name their baseline: its speed is the row's median over its ratio).
+    Session h's group 1 divided by an engine 23% below its run's median on fresh prompts;
+    session i's did not, and 4 of its 7 misses against session h are those rows."""
+    from eotools import bench_offload
+
+    results = repo_root / "bench/results"
+    h = json.loads((results / "2026-12-01-reference-c-16l-h200.json").read_text())
+    i = json.loads((results / "2026-12-01-reference-d-16l-h200.json").read_text())
+    rows = {(r["config"], r["workload"]): r for r in bench_offload.reproduction(i, h)}
+    before, now = rows[("offload-02", "fresh")]["baseline_off"]
+    assert before == pytest.approx(456.7 / 593.8 - 1, abs=2e-3)
+    assert now == pytest.approx(0.0, abs=1e-3)
+    assert rows[("offload-01", "fresh")]["baseline_off"][1] == pytest.approx(
+        530.1 / 590.2 - 1, abs=2e-3
+    )
+    rep = {"against": "h", "against_date": "d", "rows": list(rows.values())}
+    text = "\n".join(bench_offload.reproduction_lines({"reproduction": rep}))
+    assert (
+        "15 of 22 ratios within that run's per-repeat range; 4 of the 7 outside it divide by "
+        "an unpatched engine more than 10% off its run's median." in text
+    )
+    assert "| offload-02 | fresh | 0.993x (0.940-1.021) | 0.866x (0.827-0.914) | **no** | " in text
+    assert "| **-23%** / +0% |" in text
+    # one unpatched engine in a run: nothing to compare it with
+    lone = {"runs": [r for r in i["runs"] if "variant" not in r]}
+    row = next(r for r in lone["runs"] if r["config"] == "offload-02")
+    assert bench_offload.baseline_offset(lone, row) is None

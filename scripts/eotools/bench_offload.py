@@ -845,43 +845,25 @@ def census_diff(mine: dict | None, base: dict | None, top: int = 8) -> dict | No
     """What an engine holds on the GPU beside its weights that its unpatched engine does
     not (both from the probe's census): the difference of the totals, and the tensor
     groups (shape, dtype) of which it holds more, largest first."""
-    if not mine or not base or mine is base:
-        return None
-    theirs = {(tuple(g["shape"]), g["dtype"]): g for g in base["top"]}
-    extra = []
-    for g in mine["top"]:
-        other = theirs.get((tuple(g["shape"]), g["dtype"]), {"count": 0, "bytes": 0})
-        if g["bytes"] > other["bytes"]:
-            extra.append(
-                {
-                    "shape": g["shape"],
-                    "dtype": g["dtype"],
-                    "count": g["count"] - other["count"],
-                    "bytes": g["bytes"] - other["bytes"],
-                    "held_by": g.get("held_by", []),
-                }
-            )
-    extra.sort(key=lambda g: -g["bytes"])
-    return {"other_bytes_delta": mine["other_bytes"] - base["other_bytes"], "extra": extra[:top]}
+    return _groups_diff(mine, base, lambda g: (tuple(g["shape"]), g["dtype"]), top)
 
 
 def sites_diff(mine: dict | None, base: dict | None, top: int = 8) -> dict | None:
     """The same for the allocation sites (EO_ALLOC_HISTORY=1): the code locations at which
     an engine holds more GPU memory beside its weights than its unpatched engine."""
+    return _groups_diff(mine, base, lambda g: g["site"], top)
+
+
+def _groups_diff(mine: dict | None, base: dict | None, key, top: int) -> dict | None:
     if not mine or not base or mine is base:
         return None
-    theirs = {g["site"]: g for g in base["top"]}
+    theirs = {key(g): g for g in base["top"]}
     extra = []
     for g in mine["top"]:
-        other = theirs.get(g["site"], {"count": 0, "bytes": 0})
+        other = theirs.get(key(g), {"count": 0, "bytes": 0})
         if g["bytes"] > other["bytes"]:
             extra.append(
-                {
-                    "site": g["site"],
-                    "count": g["count"] - other["count"],
-                    "bytes": g["bytes"] - other["bytes"],
-                    "sizes": g.get("sizes", []),
-                }
+                {**g, "count": g["count"] - other["count"], "bytes": g["bytes"] - other["bytes"]}
             )
     extra.sort(key=lambda g: -g["bytes"])
     return {"other_bytes_delta": mine["other_bytes"] - base["other_bytes"], "extra": extra[:top]}
@@ -889,38 +871,41 @@ def sites_diff(mine: dict | None, base: dict | None, top: int = 8) -> dict | Non
 
 def census_lines(doc: dict, threshold: int = 1 << 20) -> list[str]:
     """One line per configuration that holds more than ``threshold`` bytes beside its
-    weights over its unpatched engine, naming the largest extra tensor groups."""
+    weights over its unpatched engine, naming the largest extra tensor groups; one more
+    naming the code that allocated them where the engines recorded it."""
     lines = []
-    for r in doc["runs"]:
-        diff = r.get("census_vs_unpatched")
-        if r["workload"] != "fresh" or not diff or diff["other_bytes_delta"] <= threshold:
-            continue
-        groups = "; ".join(
-            f"{g['count']} x {g['dtype']}{g['shape']} ({g['bytes'] / 1e6:.1f} MB"
-            + (f", held by {', '.join(g['held_by'])}" if g["held_by"] else "")
-            + ")"
-            for g in diff["extra"][:4]
-        )
-        lines += [
-            "",
-            f"Beside its weights, {r.get('variant', r['config'])} holds "
-            f"{diff['other_bytes_delta'] / 1e6:.1f} MB more GPU memory in tensors than its "
-            f"unpatched engine: {groups or 'no single group of tensors stands out'}.",
-        ]
-    for r in doc["runs"]:
-        diff = r.get("alloc_sites_vs_unpatched")
-        if r["workload"] != "fresh" or not diff or diff["other_bytes_delta"] <= threshold:
-            continue
-        sites = "; ".join(
-            f"{g['site']} ({g['count']:+d} blocks, {g['bytes'] / 1e6:.1f} MB)"
-            for g in diff["extra"][:4]
-        )
-        lines += [
-            "",
-            f"Allocated beside its weights, {r.get('variant', r['config'])} holds "
-            f"{diff['other_bytes_delta'] / 1e6:.1f} MB more than its unpatched engine, "
-            f"made at: {sites or 'no single site stands out'}.",
-        ]
+
+    def tensors(g: dict) -> str:
+        held = f", held by {', '.join(g['held_by'])}" if g.get("held_by") else ""
+        return f"{g['count']} x {g['dtype']}{g['shape']} ({g['bytes'] / 1e6:.1f} MB{held})"
+
+    def site(g: dict) -> str:
+        return f"{g['site']} ({g['count']:+d} blocks, {g['bytes'] / 1e6:.1f} MB)"
+
+    kinds = [
+        (
+            "census_vs_unpatched",
+            tensors,
+            "Beside its weights, {name} holds {mb:.1f} MB more GPU memory in tensors than "
+            "its unpatched engine: {what}.",
+            "no single group of tensors stands out",
+        ),
+        (
+            "alloc_sites_vs_unpatched",
+            site,
+            "Allocated beside its weights, {name} holds {mb:.1f} MB more than its unpatched "
+            "engine, made at: {what}.",
+            "no single site stands out",
+        ),
+    ]
+    for field, fmt, sentence, nothing in kinds:
+        for r in doc["runs"]:
+            diff = r.get(field)
+            if r["workload"] != "fresh" or not diff or diff["other_bytes_delta"] <= threshold:
+                continue
+            what = "; ".join(fmt(g) for g in diff["extra"][:4]) or nothing
+            name = r.get("variant", r["config"])
+            lines += ["", sentence.format(name=name, mb=diff["other_bytes_delta"] / 1e6, what=what)]
     return lines
 
 

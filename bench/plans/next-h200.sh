@@ -20,19 +20,20 @@
 #
 #   cp -a . /tmp/eo-repo && cd /tmp/eo-repo && setsid nohup bash bench/plans/next-h200.sh [models] &
 #
-# The checkout (16.3 MB after session h) does not fit beside the bundle's part a (57 MB) in
+# The checkout (19.1 MB after session i) does not fit beside the bundle's part a (57 MB) in
 # one device call (64 MiB): send part a in two halves (.gpu/a1 and .gpu/a2), join them on the
-# host, check the sha256 and install the joined folder. After session h the parts were
-# rebalanced into five calls, each with 4-24 MB to spare, because part b alone had 1 MB left:
-#   1. a1 + c2 (flashinfer), with the background "models" start
-#   2. a2 + b2 (joins part a)
-#   3. c (anthropic moved here from c2)
-#   4. d + e (.gpu/e: pycountry from b, apache_tvm_ffi from b2; install.py as any part's)
+# host, check the sha256 and install the joined folder. Session i's call 1 (a1 + c2) had
+# 1.2 MB to spare with this checkout, so the parts are regrouped into five calls of at most
+# 44.4 MB of parts each (3.6 MB to spare):
+#   1. a1 + e (.gpu/e: pycountry, apache_tvm_ffi), with the background "models" start
+#   2. a2 + d (joins part a)
+#   3. c
+#   4. b2 + c2 (flashinfer)
 #   5. b (the MoE kernels' library), then start the plan and poll
 # Sum the sizes first: `git ls-files -z | xargs -0 du -cb | tail -1` plus each call's parts.
 #
-# Expected (30 min of device time, about 1.5 of them for installs and models; session i
-# used 10 min for installs, models and the first poll together): step 1 about 8 min on a
+# Expected (30 min of device time; session i: 74 s for the four install calls, then the
+# fifth starting the plan and sleeping 540 s, and polls of 555 and 525 s, 51 s left): step 1 about 8 min on a
 # cold compile cache (session i: 388 s for the five unpatched reference engines alone);
 # step 2 under a minute; step 3 as session i's group 1 (373 s) or session h's on a cold
 # cache (557 s), plus the slower start-up of recording engines.

@@ -205,6 +205,10 @@ def _model_storages(model) -> set[int]:
     return ptrs
 
 
+# the census names the holders of its largest tensor groups only (``holders``)
+HOLDER_LOOKUPS = 8
+
+
 @contextlib.contextmanager
 def _gc_unfrozen():
     """Objects frozen by ``gc.freeze()`` are left out of ``gc.get_objects()``, and vLLM's
@@ -223,16 +227,18 @@ def _gc_unfrozen():
             gc.freeze()
 
 
-def tensor_census(model, device_type: str = "cuda", top: int = 12) -> dict[str, Any]:
+def tensor_census(
+    model, device_type: str = "cuda", top: int = 12, holders: int = HOLDER_LOOKUPS
+) -> dict[str, Any]:
     """The live tensors on ``device_type`` that are not the model's weights, grouped by
     shape and dtype, largest first, each with the kinds of objects that hold one of them.
     It names what an offload path allocates beside the weights (a copy that outlived its
     repack, a kernel workspace), which a difference of totals cannot."""
     with _gc_unfrozen():  # the walk and the referrer lookups both need every object
-        return _tensor_census(model, device_type, top)
+        return _tensor_census(model, device_type, top, holders)
 
 
-def _tensor_census(model, device_type: str, top: int) -> dict[str, Any]:
+def _tensor_census(model, device_type: str, top: int, holders: int) -> dict[str, Any]:
     import gc
 
     import torch
@@ -261,9 +267,11 @@ def _tensor_census(model, device_type: str, top: int) -> dict[str, Any]:
     obj = None
     ranked = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])[:top]
     rows = []
-    for (shape, dtype), g in ranked:
+    for n, ((shape, dtype), g) in enumerate(ranked):
         sample = g.pop("sample")
-        rows.append({"shape": list(shape), "dtype": dtype, **g, "held_by": _holders(sample)})
+        # each holder lookup scans every object of the process (seconds in an engine)
+        held_by = _holders(sample) if n < holders else []
+        rows.append({"shape": list(shape), "dtype": dtype, **g, "held_by": held_by})
     return {"weight_storages": len(weights), "other_bytes": other, "top": rows}
 
 

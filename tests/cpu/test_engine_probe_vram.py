@@ -148,7 +148,7 @@ def test_census_names_tensors_beside_the_weights():
 
     model = torch.nn.ModuleList([Layer(), Layer()])
     kept = {"workspace": torch.zeros(1009, dtype=torch.int32)}
-    out = engine_probe.tensor_census(model, device_type="cpu", top=1000)
+    out = engine_probe.tensor_census(model, device_type="cpu", top=1000, holders=1000)
     by_shape = {(tuple(r["shape"]), r["dtype"]): r for r in out["top"]}
     stray = by_shape[((3, 53), "float16")]
     assert (stray["count"], stray["bytes"]) == (2, 2 * 3 * 53 * 2)
@@ -175,7 +175,9 @@ def test_census_sees_tensors_after_vllm_freezes_the_collector():
     holder.kv_cache = torch.zeros(4099, dtype=torch.int16)
     gc.freeze()
     try:
-        out = engine_probe.tensor_census(torch.nn.Linear(2, 2), device_type="cpu", top=1000)
+        out = engine_probe.tensor_census(
+            torch.nn.Linear(2, 2), device_type="cpu", top=1000, holders=1000
+        )
         assert gc.get_freeze_count() > 0  # frozen again afterwards
     finally:
         gc.unfreeze()

@@ -321,7 +321,7 @@ def _site(frames: list[dict], package: str) -> str:
     return f"{filename}:{frame.get('line', '?')} {frame.get('name', '?')}"
 
 
-def _alloc_sites(model) -> dict[str, Any] | None:
+def _alloc_sites(model) -> dict[str, Any]:
     """For ``llm.apply_model``: the allocation sites beside the weights, then history
     recording stops (it slows every allocation)."""
     import torch

@@ -14,7 +14,6 @@
 #   3. group 1 of the suite (unpatched, offload-02, one table, swap, --cpu-offload-gb at
 #      10%) with EO_ALLOC_HISTORY=1: the census and the allocation sites name offload-02's
 #      72 MB beside its weights (issue 3), and a third run of group 1 against session i.
-
 # Started as before (from a copy of the checkout, in the background, "models" first while
 # the bundle installs); results under R, R/done at the end.
 #

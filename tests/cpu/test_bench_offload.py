@@ -449,6 +449,9 @@ def test_per_repeat_ratios_and_a_reproduction_check_on_two_committed_runs(repo_r
         row = rows[("offload-03-swap", workload)]
         assert row["decode_vs_unpatched_by_repeat"] == pytest.approx(ratios)
         assert row["decode_vs_unpatched_range"] == pytest.approx(rng)
+        [f] = (repo_root / f_raw).glob("bench-offload-03-swap-[0-9a-f]*[0-9a-f].json.gz")
+        runs = json.loads(gzip.decompress(f.read_bytes()))["tasks"][workload]["runs"]
+        assert row["tpot_ms_by_request"] == [x["tpot_ms"] for x in runs] and len(runs) > 3
     rep = {(x["config"], x["workload"]): x for x in doc["reproduction"]["rows"]}
     assert set(rep) == {("offload-03-swap", "fresh"), ("offload-03-swap", "repeat")}
     for workload in ("fresh", "repeat"):
@@ -743,3 +746,36 @@ def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
     lone = {"runs": [r for r in i["runs"] if "variant" not in r]}
     row = next(r for r in lone["runs"] if r["config"] == "offload-02")
     assert bench_offload.baseline_offset(lone, row) is None
+
+
+def test_per_request_tpot_in_the_report(repo_root):
+    """The report gives each engine's per-request TPOT as mean +- standard error and range:
+    session i's group-1 numbers, from its committed engine runs (the unpatched engine's
+    requests ranged 1.38-2.23 ms; --cpu-offload-gb's were steady)."""
+    import gzip
+
+    from eotools import bench_offload
+
+    raw = repo_root / "bench/results/raw/2026-12-01-gpu-session-i-h200/p2"
+
+    def row(config, label):
+        [f] = raw.glob(f"{label}-[0-9a-f]*[0-9a-f].json*")
+        data = f.read_bytes()
+        doc = json.loads(gzip.decompress(data) if f.suffix == ".gz" else data)
+        tpot = [x["tpot_ms"] for x in doc["tasks"]["fresh"]["runs"]]
+        return {"config": config, "workload": "fresh", "tpot_ms_by_request": tpot}
+
+    rows = [
+        row(
+            "unpatched", "bench-unpatched-for-offload-02+offload-03+offload-03-swap+cpu-offload-gb"
+        ),
+        row("offload-03-swap", "bench-offload-03-swap"),
+        row("cpu-offload-gb", "bench-cpu-offload-gb"),
+        {"config": "offload-02", "workload": "fresh", "tpot_ms_by_request": [2.0]},
+    ]
+    lines = bench_offload.request_lines({"runs": rows})
+    assert "| unpatched | fresh | 18 | 1.723 +- 0.059 | 1.38-2.23 |" in lines
+    assert "| offload-03-swap | fresh | 18 | 1.912 +- 0.058 | 1.48-2.20 |" in lines
+    assert "| cpu-offload-gb | fresh | 18 | 2.191 +- 0.009 | 2.17-2.30 |" in lines
+    assert not any("offload-02" in x for x in lines)  # one request: no spread to give
+    assert bench_offload.request_lines({"runs": rows[3:]}) == []

@@ -970,11 +970,7 @@ def baseline_offset(doc: dict, row: dict) -> float | None:
     made before rows named their baseline work too. None with fewer than two unpatched
     engines to compare."""
     ratio, mine = row.get("decode_vs_unpatched"), row.get("decode_tok_s")
-    bases = [
-        float(np.median(r["decode_tok_s"]))
-        for r in doc["runs"]
-        if r["config"] == "unpatched" and r["workload"] == row["workload"] and r.get("decode_tok_s")
-    ]
+    bases = [v[row["workload"]] for v in unpatched_speeds(doc).values() if row["workload"] in v]
     if not ratio or not mine or len(bases) < 2:
         return None
     return float(np.median(mine)) / ratio / float(np.median(bases)) - 1
@@ -1070,17 +1066,24 @@ def path_warnings(doc: dict) -> list[str]:
 BASELINE_TOLERANCE = 0.10
 
 
+def unpatched_speeds(doc: dict) -> dict[str, dict[str, float]]:
+    """Each unpatched engine of a run (with --group, one per unit, by its label) and its
+    median decode tok/s per workload."""
+    by_label: dict[str, dict[str, float]] = {}
+    for r in doc["runs"]:
+        if r["config"] == "unpatched" and r.get("decode_tok_s"):
+            label = r.get("variant", "unpatched")
+            by_label.setdefault(label, {})[r["workload"]] = float(np.median(r["decode_tok_s"]))
+    return by_label
+
+
 def baseline_lines(doc: dict) -> list[str]:
     """The run's unpatched engines side by side (with --group, one per unit). They run the
     same configuration, so they should agree; one that decodes well off the others' median
     lifts (or lowers) every ratio of its unit by about as much. Session h: one of three
     decoded 23% below the others for its whole life, and its unit's ratios could not be
     reproduced."""
-    by_label: dict[str, dict[str, float]] = {}
-    for r in doc["runs"]:
-        if r["config"] == "unpatched":
-            label = r.get("variant", "unpatched")
-            by_label.setdefault(label, {})[r["workload"]] = float(np.median(r["decode_tok_s"]))
+    by_label = unpatched_speeds(doc)
     if len(by_label) < 2:
         return []
     workloads = [w for w in ("fresh", "repeat") if all(w in v for v in by_label.values())]

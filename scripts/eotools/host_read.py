@@ -37,8 +37,9 @@ try:
 except ImportError:
     triton = None
 
-# w13 1280x2560 INT4 + w2 2560x640 INT4 + BF16 group-128 scales of both
-EXPERT_BYTES = 1_638_400 + 819_200 + 51_200 + 25_600
+# one expert's tensors: w13 1280x2560 INT4, w2 2560x640 INT4, BF16 group-128 scales of both
+EXPERT_PARTS = (1_638_400, 819_200, 51_200, 25_600)
+EXPERT_BYTES = sum(EXPERT_PARTS)
 TARGET_RATIO = 1.10
 
 if triton is not None:

@@ -325,11 +325,11 @@ def test_timing_of_a_swap_across_pcie() -> None:
         vmm = _load_vmm()
     except Exception as e:  # cuda-python or vllm missing
         pytest.skip(f"VMM wrapper not importable: {e}")
-    from eotools.host_read import EXPERT_BYTES
+    from eotools.host_read import EXPERT_BYTES, EXPERT_PARTS
 
     # enough rows that even the smallest tensor's table has rows past its first 2 MiB
     experts = 128
-    parts = [1_638_400, 819_200, 51_200, 25_600]  # w13, w2, w13 scales, w2 scales
+    parts = EXPERT_PARTS  # w13, w2, w13 scales, w2 scales
     assert sum(parts) == EXPERT_BYTES
     gran = vmm.granularity(0)
     tables = []

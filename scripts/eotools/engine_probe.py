@@ -21,6 +21,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 GiB = 1 << 30
@@ -253,9 +254,10 @@ def _tensor_census(model, device_type: str, top: int, holders: int) -> dict[str,
             if not issubclass(type(obj), torch.Tensor) or obj.device.type != device_type:
                 continue
             storage = obj.untyped_storage()
-        except Exception:  # half-built or exotic tensors
+            # torch.compile leaves fake tensors behind, whose storage has no data pointer
+            ptr = storage.data_ptr()
+        except Exception:  # half-built, fake or other exotic tensors
             continue
-        ptr = storage.data_ptr()
         if not ptr or ptr in weights or ptr in seen:
             continue
         seen.add(ptr)
@@ -287,26 +289,85 @@ def allocation_sites(
     allocator's snapshot (``torch.cuda.memory._snapshot()``) with history recorded since
     before the engine started, it names the code behind memory that no Python object
     holds any more (a CUDA-graph pool, a C++ owner) as well as the rest. A block whose
-    stack was not recorded counts under "(no stack recorded)"."""
+    stack was not recorded counts under "(no stack recorded)". Sizes are the bytes asked
+    for; ``other_block_bytes`` sums the blocks themselves, which torch's allocated bytes
+    count."""
     groups: dict[str, dict[str, Any]] = {}
-    total = 0
-    for segment in snapshot.get("segments", []):
-        for block in segment.get("blocks", []):
-            if block.get("state") != "active_allocated" or block["address"] in exclude:
-                continue
-            size = block.get("requested_size") or block["size"]
-            site = _site(block.get("frames") or [], package)
-            g = groups.setdefault(site, {"count": 0, "bytes": 0, "sizes": set()})
-            g["count"] += 1
-            g["bytes"] += size
-            g["sizes"].add(size)
-            total += size
+    total = blocks = 0
+    for start, block in _live_blocks(snapshot):
+        if start in exclude:
+            continue
+        blocks += block["size"]  # what torch's allocated bytes count
+        size = block.get("requested_size") or block["size"]
+        site = _site(block.get("frames") or [], package)
+        g = groups.setdefault(site, {"count": 0, "bytes": 0, "sizes": set()})
+        g["count"] += 1
+        g["bytes"] += size
+        g["sizes"].add(size)
+        total += size
     ranked = sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])[:top]
     rows = [
         {"site": site, "count": g["count"], "bytes": g["bytes"], "sizes": sorted(g["sizes"])[:4]}
         for site, g in ranked
     ]
-    return {"other_bytes": total, "top": rows}
+    return {"other_bytes": total, "other_block_bytes": blocks, "top": rows}
+
+
+def _live_blocks(snapshot: dict) -> Iterator[tuple[int, dict]]:
+    """(start address, block) of every allocated block of an allocator snapshot. Blocks
+    tile their segment in order; snapshots that give no block address of its own get it
+    from the segment's start and the sizes before it."""
+    for segment in snapshot.get("segments", []):
+        address = segment.get("address", 0)
+        for block in segment.get("blocks", []):
+            start = block.get("address", address)
+            address = start + block["size"]
+            if block.get("state") == "active_allocated":
+                yield start, block
+
+
+_BLOCK_FIELDS = ("blocks", "block_bytes", "requested_bytes")
+
+
+def weight_blocks(snapshot: dict, weights: set[int], experts: set[int]) -> dict[str, int]:
+    """The caching allocator's blocks that hold the model's weights (``weights``: their
+    storages' addresses; ``experts``: those of the routed experts), against the bytes
+    their tensors asked for. ``torch.cuda.memory_allocated`` counts whole blocks, and the
+    allocator hands out a cached free block of its large pool whole when less than 1 MiB
+    of it would be left over, so a weight can sit in a block larger than itself: VRAM
+    that no census of tensors sees, and that a difference of parameter bytes does not
+    explain."""
+    out = {f"{kind}_{field}": 0 for kind in ("expert", "other") for field in _BLOCK_FIELDS}
+    for start, block in _live_blocks(snapshot):
+        if start not in weights:
+            continue
+        kind = "expert" if start in experts else "other"
+        out[f"{kind}_blocks"] += 1
+        out[f"{kind}_block_bytes"] += block["size"]
+        out[f"{kind}_requested_bytes"] += block.get("requested_size") or block["size"]
+    return out
+
+
+def _expert_storages(model) -> set[int]:
+    """Storage addresses of the routed experts' parameters in VRAM (a split layer's host
+    table and one table's ranges are not the allocator's)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    return {
+        p.untyped_storage().data_ptr()
+        for m in model.modules()
+        if isinstance(m, RoutedExperts)
+        for p in m.parameters(recurse=False)
+        if p.is_cuda and p.numel()
+    }
+
+
+def _weight_blocks(model) -> dict[str, int]:
+    """For ``llm.apply_model``: :func:`weight_blocks` of the engine's model."""
+    import torch
+
+    snapshot = torch.cuda.memory._snapshot()
+    return weight_blocks(snapshot, _model_storages(model), _expert_storages(model))
 
 
 def _site(frames: list[dict], package: str) -> str:
@@ -735,6 +796,7 @@ def run(config: dict) -> dict:
     }
     # what torch holds beside the weights (KV cache, graph pools, stray copies)
     result["memory"]["census"] = llm.apply_model(tensor_census)[0]
+    result["memory"]["weight_blocks"] = llm.apply_model(_weight_blocks)[0]
     if alloc_history:
         result["memory"]["alloc_sites"] = llm.apply_model(_alloc_sites)[0]
     BATON.ready()

@@ -186,6 +186,60 @@ def test_census_sees_tensors_after_vllm_freezes_the_collector():
     assert row["held_by"] == ["Holder.kv_cache"]
 
 
+def test_census_skips_tensors_without_a_data_pointer():
+    """In an engine, the unfrozen walk also meets torch.compile's fake tensors, whose
+    storage has no data pointer (asking for it raises): session j's census stopped every
+    engine there. Such tensors hold no memory of their own, and the census leaves them
+    out. A wrapper subclass without storage (how fake tensors are built) stands in."""
+    import torch
+
+    class Storageless(torch.Tensor):
+        @staticmethod
+        def __new__(cls, shape):
+            return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.int16)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    fake = Storageless((4111,))
+    with pytest.raises(RuntimeError):
+        fake.untyped_storage().data_ptr()
+    real = torch.zeros(4127, dtype=torch.int16)
+    out = engine_probe.tensor_census(torch.nn.Linear(2, 2), device_type="cpu", top=1000, holders=0)
+    shapes = [r["shape"] for r in out["top"]]
+    assert [4127] in shapes and [4111] not in shapes
+    del fake, real
+
+
+def test_weight_blocks_count_the_allocator_blocks_that_hold_the_weights():
+    """torch's allocated bytes count whole allocator blocks: the probe sums the blocks of
+    the expert weights and of the other weights against the bytes their tensors asked
+    for (a block handed out whole is larger), and leaves freed blocks and non-weights
+    out."""
+    mib = 1 << 20
+    blocks = [  # one segment, tiled in order from its start
+        {"size": 12 * mib, "requested_size": 11_801_600, "state": "active_allocated"},
+        {"size": 4 * mib, "requested_size": 4 * mib, "state": "active_allocated"},
+        {"size": 2 * mib, "requested_size": 2 * mib, "state": "inactive"},
+        {"size": 6 * mib, "requested_size": 5_900_800, "state": "active_allocated"},
+        {"size": 1 * mib, "requested_size": 1000, "state": "active_allocated"},
+    ]
+    base = 0x7F00_0000_0000
+    starts = [base, base + 12 * mib, base + 16 * mib, base + 18 * mib, base + 24 * mib]
+    snapshot = {"segments": [{"address": base, "blocks": blocks}]}
+    weights = {starts[0], starts[1], starts[2], starts[3]}  # the last block is no weight
+    out = engine_probe.weight_blocks(snapshot, weights, experts={starts[0], starts[3]})
+    assert out == {
+        "expert_blocks": 2,
+        "expert_block_bytes": 18 * mib,
+        "expert_requested_bytes": 11_801_600 + 5_900_800,
+        "other_blocks": 1,
+        "other_block_bytes": 4 * mib,
+        "other_requested_bytes": 4 * mib,
+    }
+
+
 def test_allocation_sites_group_live_blocks_by_the_vllm_code_that_made_them():
     """From an allocator snapshot with history (innermost frame first): active blocks
     that are not weights, grouped by the innermost frame under vllm/; freed blocks and
@@ -244,6 +298,7 @@ def test_allocation_sites_group_live_blocks_by_the_vllm_code_that_made_them():
     snapshot = {"segments": [{"blocks": blocks[:3]}, {"blocks": blocks[3:]}]}
     out = engine_probe.allocation_sites(snapshot, exclude={0x8000})
     assert out["other_bytes"] == 2 * 1_310_720 + (4 << 20) + 100
+    assert out["other_block_bytes"] == 2 * (2 << 20) + (4 << 20) + 512  # whole blocks
     assert out["top"] == [
         {
             "site": "vllm/v1/worker/gpu_model_runner.py:6100 _allocate_kv_cache",
@@ -263,6 +318,12 @@ def test_allocation_sites_group_live_blocks_by_the_vllm_code_that_made_them():
     only_torch = {"segments": [{"blocks": [{**blocks[0], "frames": frames(alloc)}]}]}
     site = engine_probe.allocation_sites(only_torch, set())["top"][0]["site"]
     assert site == "/usr/lib/python3/site-packages/torch/utils/_device.py:104 __torch_function__"
+    # blocks without an address of their own tile their segment from its start, in order
+    tiled = [{k: v for k, v in b.items() if k != "address"} for b in blocks[:3]]
+    segment = {"address": 0x100000, "blocks": tiled}
+    second = 0x100000 + (2 << 20)  # the second block starts after the first block's size
+    out = engine_probe.allocation_sites({"segments": [segment]}, exclude={second})
+    assert out["other_bytes"] == 1_310_720 + (4 << 20)
 
 
 def test_one_table_host_experts_are_read_from_the_table(monkeypatch):

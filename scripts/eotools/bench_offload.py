@@ -17,6 +17,9 @@ the experts on host (51 of 512 per layer) and a sweep of the host fraction:
     bench-offload --model M --host-experts-per-layer 51 --host-layers 0,1
         --configs unpatched,cpu-offload-gb,offload-01,offload-02,offload-03,offload-03-swap
         --sweep 0.05,0.1,0.2,0.4 --host-read-us 55.7 --out FILE
+
+Exit codes: 0 every configuration ran; 1 one or more failed (the report lists them under
+"FAILED" and in the JSON's "failed", and keeps every configuration that ran); 2 usage.
 """
 
 from __future__ import annotations
@@ -522,6 +525,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         gh.log("no plot: matplotlib is not installed")
     gh.log(f"wrote {args.out} and its .md table (and .png plot)")
+    if failed:  # the report keeps what ran; the exit status says that not everything did
+        gh.log(f"{len(failed)} configuration(s) failed: {', '.join(failed)}")
+        return 1
     return 0
 
 
@@ -841,7 +847,59 @@ def _run_row(
         "alloc_sites_vs_unpatched": sites_diff(
             mem.get("alloc_sites"), base["memory"].get("alloc_sites") if base else None
         ),
+        "vram_saved": vram_saved(mem, base["memory"] if base else None),
     }
+
+
+def vram_saved(mem: dict, base: dict | None) -> dict | None:
+    """What a configuration saves in VRAM against its unpatched engine, beside the expert
+    bytes it placed on host: the process's VRAM (the driver's), torch's allocated bytes,
+    and, where the probe recorded them, how far the expert weights' allocator blocks
+    exceed their tensors' bytes in each engine (torch counts whole blocks)."""
+    if base is None or base is mem or not mem.get("expert_host_bytes"):
+        return None
+    out = {
+        "host_bytes": mem["expert_host_bytes"],
+        "process_vram": _vram_bytes(base) - _vram_bytes(mem),
+    }
+    # one table's expert rows live in VMM ranges, outside torch's allocator
+    if not mem.get("one_table_layers") and "torch_allocated_bytes" in mem.keys() & base.keys():
+        out["torch_allocated"] = base["torch_allocated_bytes"] - mem["torch_allocated_bytes"]
+    mine, theirs = mem.get("weight_blocks"), base.get("weight_blocks")
+    if mine and theirs:
+        out["expert_block_slack"] = mine["expert_block_bytes"] - mine["expert_requested_bytes"]
+        out["unpatched_expert_block_slack"] = (
+            theirs["expert_block_bytes"] - theirs["expert_requested_bytes"]
+        )
+    return out
+
+
+def vram_saved_lines(doc: dict) -> list[str]:
+    """One line per configuration with experts on host: the VRAM it saved against the
+    bytes it placed there (issue 3 asks for within 2%), and the block slack where
+    recorded."""
+    lines = []
+    for r in doc["runs"]:
+        saved = r.get("vram_saved")
+        if r["workload"] != "fresh" or not saved:
+            continue
+        host, pv = saved["host_bytes"], saved["process_vram"]
+        parts = [f"{pv:,} B of the process's VRAM ({pv / host:.1%})"]
+        if "torch_allocated" in saved:
+            ta = saved["torch_allocated"]
+            parts.append(f"{ta:,} B of torch's allocated bytes ({ta / host:.1%})")
+        line = (
+            f"VRAM saved by {r.get('variant', r['config'])} for {host:,} B of experts on "
+            f"host: {'; '.join(parts)}."
+        )
+        if "expert_block_slack" in saved:
+            line += (
+                f" Its expert weights' allocator blocks hold {saved['expert_block_slack']:,} B "
+                f"more than their tensors asked for (unpatched: "
+                f"{saved['unpatched_expert_block_slack']:,} B)."
+            )
+        lines += ["", line]
+    return lines
 
 
 def census_diff(mine: dict | None, base: dict | None, top: int = 8) -> dict | None:
@@ -1206,6 +1264,7 @@ def markdown(doc: dict) -> str:
     lines += sweep_lines(doc)
     lines += baseline_lines(doc)
     lines += request_lines(doc)
+    lines += vram_saved_lines(doc)
     lines += census_lines(doc)
     lines += [x for w in path_warnings(doc) for x in ("", w)]
     lines += profile_lines(doc)

@@ -357,7 +357,8 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     out = tmp_path / "group.json"
     configs = "unpatched,cpu-offload-gb,offload-02,offload-01,offload-03"
     args = ["--model", str(model), "--group", "2", "--configs", configs]
-    assert bench_offload.main([*args, "--out", str(out)]) == 0
+    # a failed member is reported, and the exit status says so
+    assert bench_offload.main([*args, "--out", str(out)]) == 1
     first = [
         "bench-unpatched-for-cpu-offload-gb+offload-02",
         "bench-cpu-offload-gb",
@@ -779,3 +780,40 @@ def test_per_request_tpot_in_the_report(repo_root):
     assert "| cpu-offload-gb | fresh | 18 | 2.191 +- 0.009 | 2.17-2.30 |" in lines
     assert not any("offload-02" in x for x in lines)  # one request: no spread to give
     assert bench_offload.request_lines({"runs": rows[3:]}) == []
+
+
+def test_vram_saved_against_the_host_bytes():
+    """Session j's unpatched and offload-02 engines (16 layers, 51 host experts per
+    layer): the report sets the VRAM each saved against the bytes it placed on host, by
+    the driver's count and by torch's, and the expert weights' block slack where the
+    probe recorded it; one table's rows are outside torch's allocator."""
+    from eotools.bench_offload import vram_saved, vram_saved_lines
+
+    base = {
+        "process_vram_bytes": 27_613_200_384,
+        "torch_allocated_bytes": 26_671_122_432,
+        "expert_host_bytes": 0,
+        "weight_blocks": {"expert_block_bytes": 1000, "expert_requested_bytes": 1000},
+    }
+    mem = {
+        "process_vram_bytes": 25_723_666_432,
+        "torch_allocated_bytes": 24_659_326_976,
+        "expert_host_bytes": 2_083_737_600,
+        "weight_blocks": {"expert_block_bytes": 3000, "expert_requested_bytes": 1000},
+    }
+    saved = vram_saved(mem, base)
+    assert saved == {
+        "host_bytes": 2_083_737_600,
+        "process_vram": 1_889_533_952,
+        "torch_allocated": 2_011_795_456,
+        "expert_block_slack": 2000,
+        "unpatched_expert_block_slack": 0,
+    }
+    assert vram_saved(base, base) is None and vram_saved(mem, None) is None
+    one_table = {**mem, "one_table_layers": 16}
+    assert "torch_allocated" not in vram_saved(one_table, base)
+    doc = {"runs": [{"config": "offload-02", "workload": "fresh", "vram_saved": saved}]}
+    (line,) = [x for x in vram_saved_lines(doc) if x]
+    assert "1,889,533,952 B of the process's VRAM (90.7%)" in line
+    assert "2,011,795,456 B of torch's allocated bytes (96.5%)" in line
+    assert "hold 2,000 B more than their tensors asked for (unpatched: 0 B)" in line

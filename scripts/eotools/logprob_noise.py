@@ -12,7 +12,10 @@ are held to the noise itself. Two kinds change the floating-point work by design
 `REORDERED_SUM_TOLERANCE` times the noise:
 - offload-02 runs two Marlin calls, each over a subset of the experts, so the kernel tiles a
   row's work differently from the unpatched call (one split layer differs from the whole layer
-  by one bf16 ulp; the top-k sum is one reduction since patch 0004);
+  by one bf16 ulp; the top-k sum is one reduction since patch 0004): 0.29.0's Marlin MoE
+  kernel splits each block's K loop over thread blocks by the number of valid blocks in the
+  call (`parallel` in csrc/moe/marlin_moe_wna16/marlin_template.h), and two calls over
+  disjoint experts each have fewer than the unsplit call;
 - offload-03 with runtime swap moves rows while it runs, so the kernel's blocks run in
   another order from step to step.
 Measured on an H200 (2026-12-01, `bench/results/2026-12-01-gpu-session-e-h200.md`), those

@@ -15,6 +15,7 @@ CONFIG: {"model": path, "env": {...}, "engine": {LLM keyword arguments},
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -298,7 +299,7 @@ def allocation_sites(
         if start in exclude:
             continue
         blocks += block["size"]  # what torch's allocated bytes count
-        size = block.get("requested_size") or block["size"]
+        size = _requested(block)
         site = _site(block.get("frames") or [], package)
         g = groups.setdefault(site, {"count": 0, "bytes": 0, "sizes": set()})
         g["count"] += 1
@@ -326,6 +327,11 @@ def _live_blocks(snapshot: dict) -> Iterator[tuple[int, dict]]:
                 yield start, block
 
 
+def _requested(block: dict) -> int:
+    """The bytes a block's tensor asked for (the block itself may be larger)."""
+    return block.get("requested_size") or block["size"]
+
+
 _BLOCK_FIELDS = ("blocks", "block_bytes", "requested_bytes")
 
 
@@ -344,7 +350,7 @@ def weight_blocks(snapshot: dict, weights: set[int], experts: set[int]) -> dict[
         kind = "expert" if start in experts else "other"
         out[f"{kind}_blocks"] += 1
         out[f"{kind}_block_bytes"] += block["size"]
-        out[f"{kind}_requested_bytes"] += block.get("requested_size") or block["size"]
+        out[f"{kind}_requested_bytes"] += _requested(block)
     return out
 
 
@@ -362,12 +368,25 @@ def _expert_storages(model) -> set[int]:
     }
 
 
-def _weight_blocks(model) -> dict[str, int]:
-    """For ``llm.apply_model``: :func:`weight_blocks` of the engine's model."""
+def _allocator_view(model, sites: bool) -> dict[str, Any]:
+    """For ``llm.apply_model``: from one allocator snapshot, the weights' blocks and, with
+    ``sites`` (EO_ALLOC_HISTORY=1), the allocation sites beside the weights, after which
+    history recording stops (it slows every allocation)."""
     import torch
 
-    snapshot = torch.cuda.memory._snapshot()
-    return weight_blocks(snapshot, _model_storages(model), _expert_storages(model))
+    memory = torch.cuda.memory
+    try:
+        snapshot = memory._snapshot()
+    finally:
+        if sites:
+            memory._record_memory_history(enabled=None)
+    weights = _model_storages(model)
+    out: dict[str, Any] = {
+        "weight_blocks": weight_blocks(snapshot, weights, _expert_storages(model))
+    }
+    if sites:
+        out["alloc_sites"] = allocation_sites(snapshot, weights)
+    return out
 
 
 def _site(frames: list[dict], package: str) -> str:
@@ -380,19 +399,6 @@ def _site(frames: list[dict], package: str) -> str:
     if package in filename:
         filename = package.strip("/") + "/" + filename.rsplit(package, 1)[1]
     return f"{filename}:{frame.get('line', '?')} {frame.get('name', '?')}"
-
-
-def _alloc_sites(model) -> dict[str, Any]:
-    """For ``llm.apply_model``: the allocation sites beside the weights, then history
-    recording stops (it slows every allocation)."""
-    import torch
-
-    memory = torch.cuda.memory
-    try:
-        snapshot = memory._snapshot()
-    finally:
-        memory._record_memory_history(enabled=None)
-    return allocation_sites(snapshot, _model_storages(model))
 
 
 def _holders(t: Any, limit: int = 6) -> list[str]:
@@ -796,9 +802,8 @@ def run(config: dict) -> dict:
     }
     # what torch holds beside the weights (KV cache, graph pools, stray copies)
     result["memory"]["census"] = llm.apply_model(tensor_census)[0]
-    result["memory"]["weight_blocks"] = llm.apply_model(_weight_blocks)[0]
-    if alloc_history:
-        result["memory"]["alloc_sites"] = llm.apply_model(_alloc_sites)[0]
+    view = functools.partial(_allocator_view, sites=alloc_history)
+    result["memory"].update(llm.apply_model(view)[0])
     BATON.ready()
     for task in config.get("tasks", []):
         t = time.perf_counter()

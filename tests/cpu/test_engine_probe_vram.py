@@ -395,3 +395,31 @@ def test_engines_run_on_their_gpus_numa_node(monkeypatch, tmp_path):
         affinity["now"], local["cpus"] = set(range(16)), cpus
         monkeypatch.setenv("EO_PIN_CPUS", env)
         assert engine_probe.pin_to_gpu_node()["cpus"] == list(range(16))
+
+
+def test_one_allocator_snapshot_gives_the_weight_blocks_and_the_sites(monkeypatch):
+    """The probe takes one snapshot for the weights' blocks and, with allocation history
+    on, the sites beside the weights, and stops the history only then."""
+    import torch
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    weight = model.weight.untyped_storage().data_ptr()
+    blocks = [
+        {"address": weight, "size": 1024, "requested_size": 64, "state": "active_allocated"},
+        {"address": weight + 1024, "size": 512, "requested_size": 100, "state": "active_allocated"},
+    ]
+    calls = []
+    monkeypatch.setattr(
+        torch.cuda.memory,
+        "_snapshot",
+        lambda: calls.append("snapshot") or {"segments": [{"blocks": blocks}]},
+    )
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
+    out = engine_probe._allocator_view(model, sites=False)
+    assert calls == ["snapshot"] and set(out) == {"weight_blocks"}
+    assert out["weight_blocks"]["other_block_bytes"] == 1024  # a weight, not a routed expert
+    assert out["weight_blocks"]["other_requested_bytes"] == 64
+    calls.clear()
+    out = engine_probe._allocator_view(model, sites=True)
+    assert calls == ["snapshot", {"enabled": None}]
+    assert out["alloc_sites"]["other_bytes"] == 100

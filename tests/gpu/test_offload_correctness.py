@@ -70,11 +70,11 @@ def _tasks(model, swap_concurrency: bool = False, stress_steps: int = 0) -> list
     ]
 
 
-def _config(model, chunk, env=None, swap_concurrency=False, stress_steps=0) -> dict:
+def _config(model, chunk, env=None, swap_concurrency=False, stress_steps=0, **engine) -> dict:
     return {
         "model": str(model),
         "env": env or {},
-        "engine": gh.engine(max_num_batched_tokens=chunk),
+        "engine": gh.engine(max_num_batched_tokens=chunk, **engine),
         "tasks": _tasks(model, swap_concurrency, stress_steps),
     }
 
@@ -119,13 +119,17 @@ def int4_unpatched(int4_model):
     engine computes does not depend on what else runs on the GPU (each is its own process,
     and the kernels' launch shapes depend on the device, not on its load), and one after
     another they took 388-574 s of a GPU session (sessions i and j)."""
-    share = os.environ.get("EO_GPU_MEMORY_UTILIZATION") or f"{1 / len(UNPATCHED_RUNS):.2f}"
-    with pytest.MonkeyPatch.context() as mp:  # vLLM's start-up check of free GPU memory
-        mp.setenv("EO_GPU_MEMORY_UTILIZATION", share)
-        members = [
-            (name, _config(int4_model, chunk, swap_concurrency=other), False, None)
-            for name, (chunk, other) in UNPATCHED_RUNS.items()
-        ]
+    # vLLM's start-up check of free GPU memory, for five engines at once
+    share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or round(1 / len(UNPATCHED_RUNS), 2))
+    members = [
+        (
+            name,
+            _config(int4_model, chunk, swap_concurrency=other, gpu_memory_utilization=share),
+            False,
+            None,
+        )
+        for name, (chunk, other) in UNPATCHED_RUNS.items()
+    ]
     out = gh.run_engine_group(members, stagger=1)
     for res in out:
         if isinstance(res, Exception):

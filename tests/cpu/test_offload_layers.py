@@ -151,6 +151,80 @@ def test_loading_sends_every_checkpoint_expert_to_its_table(vllm_cpu, tmp_path):
     assert host.w2_weight[:, 0, 0].tolist() == cold
 
 
+# ---- the GPU table in one allocator block ----------------------------------------------------
+def test_gpu_table_moves_into_one_block_with_its_parameters_unchanged(
+    vllm_cpu, tmp_path, monkeypatch
+):
+    """offload-02 copies a split layer's GPU table into one allocation after repack (torch
+    counts whole allocator blocks; see gpu_block's docstring). On the CPU the same code
+    moves the same parameters: one storage, each tensor at an aligned offset of its own,
+    the values, shapes, dtypes and Parameter objects unchanged, then the kernel set-up
+    redone on the moved tensors."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import gpu_block
+
+    cold = [0, 7, 8]
+    runner = build(2, VLLM_EXPERT_COLD_FILE=cold_file(tmp_path, {2: cold}))
+    list(runner.load_weights(iter(checkpoint())))
+    gpu = runner.routed_experts
+    before = {n: (p, p.detach().clone()) for n, p in gpu.named_parameters(recurse=False)}
+    old_ptrs = {p.data_ptr() for p, _ in before.values()}
+    seen = []
+    monkeypatch.setitem(
+        gpu_block.KERNEL_SETUP,
+        type(gpu.quant_method).__name__,
+        lambda m: seen.append({n: q.data_ptr() for n, q in m.named_parameters(recurse=False)}),
+    )
+
+    nbytes = gpu_block.hold_in_one_block(gpu, torch.device("cpu"))
+
+    after = dict(gpu.named_parameters(recurse=False))
+    assert list(after) == list(before) and len(after) >= 2
+    storage = {p.untyped_storage().data_ptr() for p in after.values()}
+    assert len(storage) == 1
+    base = storage.pop()
+    spans = sorted(
+        (p.data_ptr() - base, p.data_ptr() - base + p.numel() * p.element_size())
+        for p in after.values()
+    )
+    assert all(start % gpu_block.ALIGN == 0 for start, _ in spans)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
+    assert spans[-1][1] <= nbytes == gpu.w13_weight.untyped_storage().nbytes()
+    for name, (param, value) in before.items():
+        assert after[name] is param  # the same Parameter: references to it stay valid
+        assert param.dtype == value.dtype and param.shape == value.shape
+        assert torch.equal(param, value), name
+    assert not old_ptrs & {p.data_ptr() for p in after.values()}
+    gpu_rows = [e for e in range(E) if e not in cold]
+    assert gpu.w13_weight[:, 0, 0].tolist() == gpu_rows
+    # the kernel set-up ran once, on the moved tensors
+    assert seen == [{n: p.data_ptr() for n, p in after.items()}]
+    # the host table is not this module's parameter and stays where it was
+    assert all(p.untyped_storage().data_ptr() != base for p in gpu.host_experts.parameters())
+
+
+def test_gpu_block_leaves_strided_and_other_device_tensors_alone(vllm_cpu, tmp_path):
+    from vllm.model_executor.layers.fused_moe.expert_offload import gpu_block
+
+    module = torch.nn.Module()
+    module.quant_method = object()
+    module.a = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3), requires_grad=False)
+    module.b = torch.nn.Parameter(torch.arange(6.0).reshape(3, 2).t(), requires_grad=False)
+    module.c = torch.nn.Parameter(torch.ones(5, dtype=torch.int32), requires_grad=False)
+    module.d = torch.nn.Parameter(torch.ones(4, device="meta"), requires_grad=False)
+    strided = module.b.data_ptr()
+    nbytes = gpu_block.hold_in_one_block(module, torch.device("cpu"))
+    assert nbytes == 2 * gpu_block.ALIGN  # a (24 B) and c (20 B), each aligned
+    assert module.a.untyped_storage().data_ptr() == module.c.untyped_storage().data_ptr()
+    assert module.b.data_ptr() == strided and module.b.stride() == (1, 2)
+    assert module.d.device.type == "meta"
+    assert module.a.tolist() == [[0, 1, 2], [3, 4, 5]] and module.c.tolist() == [1] * 5
+    # one tensor alone gains nothing from a block of its own
+    lone = torch.nn.Module()
+    lone.quant_method = object()
+    lone.a = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    assert gpu_block.hold_in_one_block(lone, torch.device("cpu")) == 0
+
+
 # ---- start-up errors -------------------------------------------------------------------------
 def planner_for(
     tmp_path,

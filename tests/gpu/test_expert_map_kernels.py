@@ -10,6 +10,7 @@ unquantised (BF16, Triton) path.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -250,7 +251,10 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
     cold = list(range(5, 512, 10))  # 51 experts spread over the table
 
     def build(cold_ids):
-        """The layers, loaded and repacked; torch's allocated bytes they hold; a snapshot."""
+        """The layers, loaded and repacked; torch's allocated bytes they hold; a snapshot.
+        Layers of earlier builds and tests are collected first: freed in the middle of a
+        build, they made its layers seem to hold less than their own experts (session k)."""
+        gc.collect()
         base = _cuda_allocated()
         model = [_load(512, 10, "int4", weights, cold_ids, tmp_path, n) for n in range(layers)]
         for experts in model:

@@ -24,6 +24,14 @@ token's logprob by 0.04-0.18: offload-02 decode max 0.061 and offload-03 with sw
 0.175 against unpatched maxima of 0.055 and 0.122, with means at or below the noise's
 (except offload-02 at prefill chunk 512: prompt mean 1.6x). A wrong expert row or scale
 changes greedy tokens and moves logprobs by whole units, far outside this tolerance.
+
+The reference build measured the same thing (SPEC section 6): logprob differences against no
+offload of 0.005-0.024, against 0.004-0.021 between two no-offload servers, a maximum 1.14x
+the noise's; here offload-02 and the swap's decode maxima are 1.11-1.12x (sessions b-f). The
+tolerance is the decision (2026-12-01) that the issues' "no larger than the unpatched noise"
+holds configurations that reorder sums by design to this bound, not to the noise itself: no
+two-call split can meet the noise exactly on 0.29.0's Marlin (above), and offload-03 without
+swap, which makes the unpatched call, is held to 1x.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from .bench.configs import parse_spec
 from .bench.sweep import plot_sweep, sweep_lines
 from .bench.uva_budget import budget_for, offload_boundaries
 from .coldset import synthetic_cold_file
+from .engine_probe import expert_block_slack
 from .nvsmi import gpu_name
 from .selection import expert_bytes
 from .testmodel import data
@@ -867,10 +868,8 @@ def vram_saved(mem: dict, base: dict | None) -> dict | None:
         out["torch_allocated"] = base["torch_allocated_bytes"] - mem["torch_allocated_bytes"]
     mine, theirs = mem.get("weight_blocks"), base.get("weight_blocks")
     if mine and theirs:
-        out["expert_block_slack"] = mine["expert_block_bytes"] - mine["expert_requested_bytes"]
-        out["unpatched_expert_block_slack"] = (
-            theirs["expert_block_bytes"] - theirs["expert_requested_bytes"]
-        )
+        out["expert_block_slack"] = expert_block_slack(mine)
+        out["unpatched_expert_block_slack"] = expert_block_slack(theirs)
     return out
 
 

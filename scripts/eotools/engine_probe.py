@@ -354,6 +354,12 @@ def weight_blocks(snapshot: dict, weights: set[int], experts: set[int]) -> dict[
     return out
 
 
+def expert_block_slack(blocks: dict[str, int]) -> int:
+    """How many bytes the routed experts' blocks (``weight_blocks``) hold beyond what
+    their tensors asked for."""
+    return blocks["expert_block_bytes"] - blocks["expert_requested_bytes"]
+
+
 def _expert_storages(model) -> set[int]:
     """Storage addresses of the routed experts' parameters in VRAM (a split layer's host
     table and one table's ranges are not the allocator's)."""

@@ -243,7 +243,7 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
     hold beside their GPU experts is listed by the code that allocated it (CUDA allocator
     history), and the slack of the blocks that hold the experts is reported (torch counts
     whole blocks), so a failure names its cause."""
-    from eotools.engine_probe import allocation_sites, weight_blocks
+    from eotools.engine_probe import allocation_sites, expert_block_slack, weight_blocks
     from vllm.config import get_current_vllm_config
 
     context = get_current_vllm_config().compilation_config.static_forward_context
@@ -281,15 +281,12 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
     host_bytes = sum(h._expert_offload_arena.nbytes for h in hosts)
     saved = full_held - split_held
     beside = allocation_sites(snapshot, ptrs, top=8)
-    blocks = weight_blocks(snapshot, ptrs, ptrs)
-
-    def slack(b: dict) -> int:
-        return b["expert_block_bytes"] - b["expert_requested_bytes"]
-
+    slack = expert_block_slack(weight_blocks(snapshot, ptrs, ptrs))
+    full_slack = expert_block_slack(full_blocks)
     gh.log(
         f"{layers} layer(s): full layers hold {full_held:,} B ({full_vram:,} B of experts, "
-        f"blocks {slack(full_blocks):,} B over them), split layers {split_held:,} B "
-        f"({gpu_vram:,} B of GPU experts, blocks {slack(blocks):,} B over them); "
+        f"blocks {full_slack:,} B over them), split layers {split_held:,} B "
+        f"({gpu_vram:,} B of GPU experts, blocks {slack:,} B over them); "
         f"{host_bytes:,} B on host; VRAM saved {saved:,} B = {saved / host_bytes:.4f} of "
         "the host bytes"
     )
@@ -298,6 +295,6 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
     assert full_held >= full_vram
     assert saved >= 0.98 * host_bytes, (
         f"{layers} split layer(s) save {saved:,} B of VRAM for {host_bytes:,} B on host; "
-        f"their experts' blocks exceed the experts by {slack(blocks):,} B (unsplit: "
-        f"{slack(full_blocks):,} B); held beside the GPU experts: {beside['top'][:4]}"
+        f"their experts' blocks exceed the experts by {slack:,} B (unsplit: "
+        f"{full_slack:,} B); held beside the GPU experts: {beside['top'][:4]}"
     )

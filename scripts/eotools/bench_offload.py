@@ -854,9 +854,11 @@ def _run_row(
 
 def vram_saved(mem: dict, base: dict | None) -> dict | None:
     """What a configuration saves in VRAM against its unpatched engine, beside the expert
-    bytes it placed on host: the process's VRAM (the driver's), torch's allocated bytes,
-    and, where the probe recorded them, how far the expert weights' allocator blocks
-    exceed their tensors' bytes in each engine (torch counts whole blocks)."""
+    bytes it placed on host: the process's VRAM (the driver's), torch's allocated and
+    reserved bytes, and, where the probe recorded them, how far the expert weights'
+    allocator blocks exceed their tensors' bytes in each engine (torch counts whole
+    blocks) and the free bytes each engine's allocator strands in partly used segments
+    (the process's VRAM counts them, torch's allocated bytes do not)."""
     if base is None or base is mem or not mem.get("expert_host_bytes"):
         return None
     out = {
@@ -866,6 +868,11 @@ def vram_saved(mem: dict, base: dict | None) -> dict | None:
     # one table's expert rows live in VMM ranges, outside torch's allocator
     if not mem.get("one_table_layers") and "torch_allocated_bytes" in mem.keys() & base.keys():
         out["torch_allocated"] = base["torch_allocated_bytes"] - mem["torch_allocated_bytes"]
+    if "torch_reserved_bytes" in mem.keys() & base.keys():
+        out["torch_reserved"] = base["torch_reserved_bytes"] - mem["torch_reserved_bytes"]
+    if "stranded_free" in mem.keys() & base.keys():
+        out["stranded_free"] = mem["stranded_free"]["stranded_bytes"]
+        out["unpatched_stranded_free"] = base["stranded_free"]["stranded_bytes"]
     mine, theirs = mem.get("weight_blocks"), base.get("weight_blocks")
     if mine and theirs:
         out["expert_block_slack"] = expert_block_slack(mine)
@@ -887,6 +894,9 @@ def vram_saved_lines(doc: dict) -> list[str]:
         if "torch_allocated" in saved:
             ta = saved["torch_allocated"]
             parts.append(f"{ta:,} B of torch's allocated bytes ({ta / host:.1%})")
+        if "torch_reserved" in saved:
+            tr = saved["torch_reserved"]
+            parts.append(f"{tr:,} B of its reserved bytes ({tr / host:.1%})")
         line = (
             f"VRAM saved by {r.get('variant', r['config'])} for {host:,} B of experts on "
             f"host: {'; '.join(parts)}."
@@ -896,6 +906,12 @@ def vram_saved_lines(doc: dict) -> list[str]:
                 f" Its expert weights' allocator blocks hold {saved['expert_block_slack']:,} B "
                 f"more than their tensors asked for (unpatched: "
                 f"{saved['unpatched_expert_block_slack']:,} B)."
+            )
+        if "stranded_free" in saved:
+            line += (
+                f" Free memory the allocator holds in segments it cannot give back: "
+                f"{saved['stranded_free']:,} B (unpatched: "
+                f"{saved['unpatched_stranded_free']:,} B)."
             )
         lines += ["", line]
     return lines

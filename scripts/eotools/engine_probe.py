@@ -360,6 +360,40 @@ def expert_block_slack(blocks: dict[str, int]) -> int:
     return blocks["expert_block_bytes"] - blocks["expert_requested_bytes"]
 
 
+def stranded_free(snapshot: dict, top: int = 6) -> dict[str, Any]:
+    """The caching allocator's free bytes that it cannot give back to the driver: those in
+    segments that also hold a live block (``torch.cuda.empty_cache`` releases only whole
+    free segments), against the bytes of wholly free segments, with the segments that
+    strand the most (their size, free bytes, largest live block, pool). This is the
+    process's VRAM that torch's allocated bytes do not count."""
+    stranded = whole = 0
+    rows = []
+    for segment in snapshot.get("segments", []):
+        blocks = segment.get("blocks", [])
+        live = [b["size"] for b in blocks if b.get("state") == "active_allocated"]
+        free = sum(b["size"] for b in blocks if b.get("state") == "inactive")
+        if not live:
+            whole += free
+            continue
+        stranded += free
+        if free:
+            rows.append(
+                {
+                    "segment_bytes": segment.get("total_size", sum(b["size"] for b in blocks)),
+                    "free_bytes": free,
+                    "largest_live_bytes": max(live),
+                    "pool": str(segment.get("segment_pool_id", "")),
+                }
+            )
+    rows.sort(key=lambda r: -r["free_bytes"])
+    return {
+        "stranded_bytes": stranded,
+        "stranded_segments": len(rows),
+        "free_segment_bytes": whole,
+        "top": rows[:top],
+    }
+
+
 def _expert_storages(model) -> set[int]:
     """Storage addresses of the routed experts' parameters in VRAM (a split layer's host
     table and one table's ranges are not the allocator's)."""
@@ -388,7 +422,8 @@ def _allocator_view(model, sites: bool) -> dict[str, Any]:
             memory._record_memory_history(enabled=None)
     weights = _model_storages(model)
     out: dict[str, Any] = {
-        "weight_blocks": weight_blocks(snapshot, weights, _expert_storages(model))
+        "weight_blocks": weight_blocks(snapshot, weights, _expert_storages(model)),
+        "stranded_free": stranded_free(snapshot),
     }
     if sites:
         out["alloc_sites"] = allocation_sites(snapshot, weights)

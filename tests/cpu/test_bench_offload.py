@@ -785,27 +785,35 @@ def test_per_request_tpot_in_the_report(repo_root):
 def test_vram_saved_against_the_host_bytes():
     """Session j's unpatched and offload-02 engines (16 layers, 51 host experts per
     layer): the report sets the VRAM each saved against the bytes it placed on host, by
-    the driver's count and by torch's, and the expert weights' block slack where the
-    probe recorded it; one table's rows are outside torch's allocator."""
+    the driver's count and by torch's, the expert weights' block slack and the free bytes
+    stranded in partly used segments where the probe recorded them; one table's rows are
+    outside torch's allocator."""
     from eotools.bench_offload import vram_saved, vram_saved_lines
 
     base = {
         "process_vram_bytes": 27_613_200_384,
         "torch_allocated_bytes": 26_671_122_432,
+        "torch_reserved_bytes": 26_818_379_776,
         "expert_host_bytes": 0,
         "weight_blocks": {"expert_block_bytes": 1000, "expert_requested_bytes": 1000},
+        "stranded_free": {"stranded_bytes": 147_257_344},
     }
     mem = {
         "process_vram_bytes": 25_723_666_432,
         "torch_allocated_bytes": 24_659_326_976,
+        "torch_reserved_bytes": 24_901_582_848,
         "expert_host_bytes": 2_083_737_600,
         "weight_blocks": {"expert_block_bytes": 3000, "expert_requested_bytes": 1000},
+        "stranded_free": {"stranded_bytes": 314_406_912},
     }
     saved = vram_saved(mem, base)
     assert saved == {
         "host_bytes": 2_083_737_600,
         "process_vram": 1_889_533_952,
         "torch_allocated": 2_011_795_456,
+        "torch_reserved": 1_916_796_928,
+        "stranded_free": 314_406_912,
+        "unpatched_stranded_free": 147_257_344,
         "expert_block_slack": 2000,
         "unpatched_expert_block_slack": 0,
     }
@@ -816,4 +824,6 @@ def test_vram_saved_against_the_host_bytes():
     (line,) = [x for x in vram_saved_lines(doc) if x]
     assert "1,889,533,952 B of the process's VRAM (90.7%)" in line
     assert "2,011,795,456 B of torch's allocated bytes (96.5%)" in line
+    assert "1,916,796,928 B of its reserved bytes (92.0%)" in line
     assert "hold 2,000 B more than their tensors asked for (unpatched: 0 B)" in line
+    assert "segments it cannot give back: 314,406,912 B (unpatched: 147,257,344 B)" in line

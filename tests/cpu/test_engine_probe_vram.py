@@ -240,6 +240,58 @@ def test_weight_blocks_count_the_allocator_blocks_that_hold_the_weights():
     }
 
 
+def test_stranded_free_counts_free_bytes_in_segments_that_hold_live_blocks():
+    """The process's VRAM counts every cached segment whole; empty_cache gives back only
+    wholly free ones. The probe separates the free bytes stranded beside live blocks
+    from those of free segments, and lists the segments that strand the most."""
+    mib = 1 << 20
+    live, free = "active_allocated", "inactive"
+    segments = [
+        {  # a 20 MiB segment: 2 MiB live, 18 MiB stranded
+            "total_size": 20 * mib,
+            "segment_pool_id": (0, 0),
+            "blocks": [{"size": 2 * mib, "state": live}, {"size": 18 * mib, "state": free}],
+        },
+        {  # wholly free: empty_cache would give it back
+            "total_size": 40 * mib,
+            "blocks": [{"size": 40 * mib, "state": free}],
+        },
+        {  # full: nothing stranded, not listed
+            "total_size": 8 * mib,
+            "blocks": [{"size": 8 * mib, "state": live}],
+        },
+        {  # 1 MiB stranded between two live blocks of a private pool
+            "segment_pool_id": (1, 3),
+            "blocks": [
+                {"size": 6 * mib, "state": live},
+                {"size": 1 * mib, "state": free},
+                {"size": 3 * mib, "state": live},
+            ],
+        },
+    ]
+    out = engine_probe.stranded_free({"segments": segments}, top=5)
+    assert out["stranded_bytes"] == 19 * mib
+    assert out["stranded_segments"] == 2
+    assert out["free_segment_bytes"] == 40 * mib
+    assert out["top"] == [
+        {
+            "segment_bytes": 20 * mib,
+            "free_bytes": 18 * mib,
+            "largest_live_bytes": 2 * mib,
+            "pool": "(0, 0)",
+        },
+        {
+            "segment_bytes": 10 * mib,
+            "free_bytes": 1 * mib,
+            "largest_live_bytes": 6 * mib,
+            "pool": "(1, 3)",
+        },
+    ]
+    assert engine_probe.stranded_free({"segments": segments}, top=1)["top"][0]["free_bytes"] == (
+        18 * mib
+    )
+
+
 def test_allocation_sites_group_live_blocks_by_the_vllm_code_that_made_them():
     """From an allocator snapshot with history (innermost frame first): active blocks
     that are not weights, grouped by the innermost frame under vllm/; freed blocks and
@@ -398,8 +450,9 @@ def test_engines_run_on_their_gpus_numa_node(monkeypatch, tmp_path):
 
 
 def test_one_allocator_snapshot_gives_the_weight_blocks_and_the_sites(monkeypatch):
-    """The probe takes one snapshot for the weights' blocks and, with allocation history
-    on, the sites beside the weights, and stops the history only then."""
+    """The probe takes one snapshot for the weights' blocks and the stranded free bytes
+    and, with allocation history on, the sites beside the weights, and stops the history
+    only then."""
     import torch
 
     model = torch.nn.Linear(4, 4, bias=False)
@@ -416,7 +469,8 @@ def test_one_allocator_snapshot_gives_the_weight_blocks_and_the_sites(monkeypatc
     )
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: calls.append(kw))
     out = engine_probe._allocator_view(model, sites=False)
-    assert calls == ["snapshot"] and set(out) == {"weight_blocks"}
+    assert calls == ["snapshot"] and set(out) == {"weight_blocks", "stranded_free"}
+    assert out["stranded_free"]["stranded_bytes"] == 0  # one segment, all of it live
     assert out["weight_blocks"]["other_block_bytes"] == 1024  # a weight, not a routed expert
     assert out["weight_blocks"]["other_requested_bytes"] == 64
     calls.clear()

@@ -35,6 +35,24 @@ def vllm_context():
         yield config
 
 
+def _forget_layers() -> None:
+    """Unregister every layer the tests built (the forward context holds each by name), so
+    that it is freed now: left there, a layer was freed when a later test built one of
+    the same name, in the middle of that test's memory accounting (session l)."""
+    from vllm.config import get_current_vllm_config
+
+    context = get_current_vllm_config().compilation_config.static_forward_context
+    for name in [k for k in context if k.startswith("model.layers.")]:
+        context.pop(name)
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_layers(vllm_context):
+    yield
+    _forget_layers()
+
+
 def _checkpoint(num_experts: int, quant: str, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     """Per-expert checkpoint tensors (what a safetensors file holds) with random values."""
     g = torch.Generator().manual_seed(seed)
@@ -244,36 +262,40 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
     history), and the slack of the blocks that hold the experts is reported (torch counts
     whole blocks), so a failure names its cause."""
     from eotools.engine_probe import allocation_sites, expert_block_slack, weight_blocks
-    from vllm.config import get_current_vllm_config
+    from vllm.v1.worker.gpu_worker import Worker
 
-    context = get_current_vllm_config().compilation_config.static_forward_context
     weights = _one_expert_checkpoint(512)
     cold = list(range(5, 512, 10))  # 51 experts spread over the table
 
     def build(cold_ids):
-        """The layers, loaded and repacked; torch's allocated bytes they hold; a snapshot.
-        Layers of earlier builds and tests are collected first: freed in the middle of a
-        build, they made its layers seem to hold less than their own experts (session k)."""
-        gc.collect()
-        base = _cuda_allocated()
-        model = [_load(512, 10, "int4", weights, cold_ids, tmp_path, n) for n in range(layers)]
-        for experts in model:
-            _process(experts)
-        return model, _cuda_allocated() - base, memory._snapshot()
+        """The layers, loaded and repacked under vLLM's own allocator setting for model
+        loading; torch's allocated bytes they hold, its reserved bytes once the cache is
+        emptied; a snapshot. Layers of earlier builds and tests are freed first: freed in
+        the middle of a build, they made its layers seem to hold less than their own
+        experts (sessions k and l)."""
+        _forget_layers()
+        torch.cuda.empty_cache()
+        base, reserved = _cuda_allocated(), torch.cuda.memory_reserved()
+        with Worker._scoped_allocator_max_split(None, max_split_size_mb=20):
+            model = [_load(512, 10, "int4", weights, cold_ids, tmp_path, n) for n in range(layers)]
+            for experts in model:
+                _process(experts)
+        held = _cuda_allocated() - base
+        torch.cuda.empty_cache()
+        return model, held, torch.cuda.memory_reserved() - reserved, memory._snapshot()
 
     def free(model) -> None:
-        for n in range(layers):  # each layer's runner, so the layer can be freed
-            context.pop(PREFIX.replace(".1.", f".{n}."), None)
         model.clear()
+        _forget_layers()
 
     memory = torch.cuda.memory
     memory._record_memory_history(max_entries=200_000, stacks="python")
     try:
-        full, full_held, full_snapshot = build(None)
+        full, full_held, full_reserved, full_snapshot = build(None)
         full_ptrs, full_vram = _cuda_storages(*full)
         full_blocks = weight_blocks(full_snapshot, full_ptrs, full_ptrs)
         free(full)
-        split, split_held, snapshot = build(cold)
+        split, split_held, split_reserved, snapshot = build(cold)
     finally:
         memory._record_memory_history(enabled=None)
     hosts = [m.host_experts for m in split]
@@ -289,6 +311,12 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
         f"({gpu_vram:,} B of GPU experts, blocks {slack:,} B over them); "
         f"{host_bytes:,} B on host; VRAM saved {saved:,} B = {saved / host_bytes:.4f} of "
         "the host bytes"
+    )
+    kept = full_reserved - split_reserved
+    gh.log(
+        f"{layers} layer(s), reserved once the cache is emptied: full {full_reserved:,} B, "
+        f"split {split_reserved:,} B; saved {kept:,} B = {kept / host_bytes:.4f} of the host "
+        "bytes"
     )
     for row in beside["top"]:
         gh.log(f"  beside the experts: {row['bytes']:,} B in {row['count']} at {row['site']}")

@@ -873,6 +873,9 @@ def vram_saved(mem: dict, base: dict | None) -> dict | None:
     if "stranded_free" in mem.keys() & base.keys():
         out["stranded_free"] = mem["stranded_free"]["stranded_bytes"]
         out["unpatched_stranded_free"] = base["stranded_free"]["stranded_bytes"]
+        worst = mem["stranded_free"].get("top") or [{}]
+        if worst[0].get("live"):
+            out["stranded_worst_segment"] = worst[0]
     mine, theirs = mem.get("weight_blocks"), base.get("weight_blocks")
     if mine and theirs:
         out["expert_block_slack"] = expert_block_slack(mine)
@@ -912,6 +915,15 @@ def vram_saved_lines(doc: dict) -> list[str]:
                 f" Free memory the allocator holds in segments it cannot give back: "
                 f"{saved['stranded_free']:,} B (unpatched: "
                 f"{saved['unpatched_stranded_free']:,} B)."
+            )
+        worst = saved.get("stranded_worst_segment")
+        if worst:
+            beside = ", ".join(
+                f"{b['name'] or 'a tensor'} ({b['bytes']:,} B)" for b in worst["live"]
+            )
+            line += (
+                f" The worst segment, {worst['segment_bytes']:,} B, has "
+                f"{worst['free_bytes']:,} B free beside {beside}."
             )
         lines += ["", line]
     return lines

@@ -360,29 +360,39 @@ def expert_block_slack(blocks: dict[str, int]) -> int:
     return blocks["expert_block_bytes"] - blocks["expert_requested_bytes"]
 
 
-def stranded_free(snapshot: dict, top: int = 6) -> dict[str, Any]:
+def stranded_free(
+    snapshot: dict, top: int = 8, names: dict[int, str] | None = None, live_top: int = 4
+) -> dict[str, Any]:
     """The caching allocator's free bytes that it cannot give back to the driver: those in
     segments that also hold a live block (``torch.cuda.empty_cache`` releases only whole
     free segments), against the bytes of wholly free segments, with the segments that
-    strand the most (their size, free bytes, largest live block, pool). This is the
-    process's VRAM that torch's allocated bytes do not count."""
+    strand the most (their size, free bytes, largest live block, pool, and their largest
+    live blocks, named where ``names`` maps a block's address to the weight that starts
+    there). This is the process's VRAM that torch's allocated bytes do not count; the
+    names say which weights keep such a segment alive."""
+    names = names or {}
     stranded = whole = 0
     rows = []
     for segment in snapshot.get("segments", []):
         blocks = segment.get("blocks", [])
-        live = [b["size"] for b in blocks if b.get("state") == "active_allocated"]
+        live = list(_live_blocks({"segments": [segment]}))
         free = sum(b["size"] for b in blocks if b.get("state") == "inactive")
         if not live:
             whole += free
             continue
         stranded += free
         if free:
+            live.sort(key=lambda sb: -sb[1]["size"])
             rows.append(
                 {
                     "segment_bytes": segment.get("total_size", sum(b["size"] for b in blocks)),
                     "free_bytes": free,
-                    "largest_live_bytes": max(live),
+                    "largest_live_bytes": live[0][1]["size"],
                     "pool": str(segment.get("segment_pool_id", "")),
+                    "live": [
+                        {"bytes": b["size"], "name": names.get(start, "")}
+                        for start, b in live[:live_top]
+                    ],
                 }
             )
     rows.sort(key=lambda r: -r["free_bytes"])
@@ -392,6 +402,15 @@ def stranded_free(snapshot: dict, top: int = 6) -> dict[str, Any]:
         "free_segment_bytes": whole,
         "top": rows[:top],
     }
+
+
+def _weight_names(model) -> dict[int, str]:
+    """Storage address to the first name of the parameter or buffer stored there."""
+    names: dict[int, str] = {}
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_cuda and t.numel():
+            names.setdefault(t.untyped_storage().data_ptr(), name)
+    return names
 
 
 def _expert_storages(model) -> set[int]:
@@ -423,7 +442,7 @@ def _allocator_view(model, sites: bool) -> dict[str, Any]:
     weights = _model_storages(model)
     out: dict[str, Any] = {
         "weight_blocks": weight_blocks(snapshot, weights, _expert_storages(model)),
-        "stranded_free": stranded_free(snapshot),
+        "stranded_free": stranded_free(snapshot, names=_weight_names(model)),
     }
     if sites:
         out["alloc_sites"] = allocation_sites(snapshot, weights)

@@ -827,3 +827,21 @@ def test_vram_saved_against_the_host_bytes():
     assert "1,916,796,928 B of its reserved bytes (92.0%)" in line
     assert "hold 2,000 B more than their tensors asked for (unpatched: 0 B)" in line
     assert "segments it cannot give back: 314,406,912 B (unpatched: 147,257,344 B)" in line
+    assert "worst segment" not in line  # the probe named no live block
+    # session m's worst segment, with the weights that keep it alive named
+    worst = {
+        "segment_bytes": 20_971_520,
+        "free_bytes": 18_350_080,
+        "largest_live_bytes": 2_621_440,
+        "pool": "(0, 0)",
+        "live": [{"bytes": 2_621_440, "name": "model.layers.3.mlp.gate.weight"}],
+    }
+    mem["stranded_free"]["top"] = [worst, {**worst, "free_bytes": 1}]
+    saved = vram_saved(mem, base)
+    assert saved["stranded_worst_segment"] == worst
+    doc = {"runs": [{"config": "offload-02", "workload": "fresh", "vram_saved": saved}]}
+    (line,) = [x for x in vram_saved_lines(doc) if x]
+    assert line.endswith(
+        "The worst segment, 20,971,520 B, has 18,350,080 B free beside "
+        "model.layers.3.mlp.gate.weight (2,621,440 B)."
+    )

@@ -243,12 +243,15 @@ def test_weight_blocks_count_the_allocator_blocks_that_hold_the_weights():
 def test_stranded_free_counts_free_bytes_in_segments_that_hold_live_blocks():
     """The process's VRAM counts every cached segment whole; empty_cache gives back only
     wholly free ones. The probe separates the free bytes stranded beside live blocks
-    from those of free segments, and lists the segments that strand the most."""
+    from those of free segments, and lists the segments that strand the most with the
+    weights that keep them (a block's address: its own, else its segment's start plus the
+    sizes before it)."""
     mib = 1 << 20
     live, free = "active_allocated", "inactive"
     segments = [
         {  # a 20 MiB segment: 2 MiB live, 18 MiB stranded
             "total_size": 20 * mib,
+            "address": 100 * mib,
             "segment_pool_id": (0, 0),
             "blocks": [{"size": 2 * mib, "state": live}, {"size": 18 * mib, "state": free}],
         },
@@ -262,14 +265,16 @@ def test_stranded_free_counts_free_bytes_in_segments_that_hold_live_blocks():
         },
         {  # 1 MiB stranded between two live blocks of a private pool
             "segment_pool_id": (1, 3),
+            "address": 200 * mib,
             "blocks": [
                 {"size": 6 * mib, "state": live},
                 {"size": 1 * mib, "state": free},
-                {"size": 3 * mib, "state": live},
+                {"size": 3 * mib, "state": live, "address": 207 * mib},
             ],
         },
     ]
-    out = engine_probe.stranded_free({"segments": segments}, top=5)
+    names = {100 * mib: "model.layers.0.mlp.gate.weight", 207 * mib: "scales"}
+    out = engine_probe.stranded_free({"segments": segments}, top=5, names=names)
     assert out["stranded_bytes"] == 19 * mib
     assert out["stranded_segments"] == 2
     assert out["free_segment_bytes"] == 40 * mib
@@ -279,12 +284,14 @@ def test_stranded_free_counts_free_bytes_in_segments_that_hold_live_blocks():
             "free_bytes": 18 * mib,
             "largest_live_bytes": 2 * mib,
             "pool": "(0, 0)",
+            "live": [{"bytes": 2 * mib, "name": "model.layers.0.mlp.gate.weight"}],
         },
         {
             "segment_bytes": 10 * mib,
             "free_bytes": 1 * mib,
             "largest_live_bytes": 6 * mib,
             "pool": "(1, 3)",
+            "live": [{"bytes": 6 * mib, "name": ""}, {"bytes": 3 * mib, "name": "scales"}],
         },
     ]
     assert engine_probe.stranded_free({"segments": segments}, top=1)["top"][0]["free_bytes"] == (

@@ -280,7 +280,13 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
         torch.cuda.empty_cache()
         base, reserved = _cuda_allocated(), torch.cuda.memory_reserved()
         with Worker._scoped_allocator_max_split(None, max_split_size_mb=20):
-            model = [_load(512, 10, "int4", weights, cold_ids, tmp_path, n) for n in range(layers)]
+            model = []
+            for n in range(layers):
+                # each layer's router gate, made just before its experts as in Qwen3-MoE:
+                # a 2.5 MiB tensor that shares its 20 MiB segment with them (session m)
+                gate = torch.empty(512, 2560, dtype=torch.bfloat16, device="cuda")
+                model.append(_load(512, 10, "int4", weights, cold_ids, tmp_path, n))
+                model[-1].test_router_gate = gate
             for experts in model:
                 _process(experts)
         held = _cuda_allocated() - base

@@ -873,9 +873,9 @@ def vram_saved(mem: dict, base: dict | None) -> dict | None:
     if "stranded_free" in mem.keys() & base.keys():
         out["stranded_free"] = mem["stranded_free"]["stranded_bytes"]
         out["unpatched_stranded_free"] = base["stranded_free"]["stranded_bytes"]
-        worst = mem["stranded_free"].get("top") or [{}]
-        if worst[0].get("live"):
-            out["stranded_worst_segment"] = worst[0]
+        top = mem["stranded_free"].get("top")
+        if top and top[0].get("live"):
+            out["stranded_worst_segment"] = top[0]
     mine, theirs = mem.get("weight_blocks"), base.get("weight_blocks")
     if mine and theirs:
         out["expert_block_slack"] = expert_block_slack(mine)

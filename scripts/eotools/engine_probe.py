@@ -314,15 +314,21 @@ def allocation_sites(
     return {"other_bytes": total, "other_block_bytes": blocks, "top": rows}
 
 
+def _segment_blocks(segment: dict) -> Iterator[tuple[int, dict]]:
+    """(start address, block) of every block of a snapshot's segment. Blocks tile their
+    segment in order; snapshots that give no block address of its own get it from the
+    segment's start and the sizes before it."""
+    address = segment.get("address", 0)
+    for block in segment.get("blocks", []):
+        start = block.get("address", address)
+        address = start + block["size"]
+        yield start, block
+
+
 def _live_blocks(snapshot: dict) -> Iterator[tuple[int, dict]]:
-    """(start address, block) of every allocated block of an allocator snapshot. Blocks
-    tile their segment in order; snapshots that give no block address of its own get it
-    from the segment's start and the sizes before it."""
+    """(start address, block) of every allocated block of an allocator snapshot."""
     for segment in snapshot.get("segments", []):
-        address = segment.get("address", 0)
-        for block in segment.get("blocks", []):
-            start = block.get("address", address)
-            address = start + block["size"]
+        for start, block in _segment_blocks(segment):
             if block.get("state") == "active_allocated":
                 yield start, block
 
@@ -374,9 +380,9 @@ def stranded_free(
     stranded = whole = 0
     rows = []
     for segment in snapshot.get("segments", []):
-        blocks = segment.get("blocks", [])
-        live = list(_live_blocks({"segments": [segment]}))
-        free = sum(b["size"] for b in blocks if b.get("state") == "inactive")
+        blocks = list(_segment_blocks(segment))
+        live = [(start, b) for start, b in blocks if b.get("state") == "active_allocated"]
+        free = sum(b["size"] for _, b in blocks if b.get("state") == "inactive")
         if not live:
             whole += free
             continue
@@ -385,7 +391,7 @@ def stranded_free(
             live.sort(key=lambda sb: -sb[1]["size"])
             rows.append(
                 {
-                    "segment_bytes": segment.get("total_size", sum(b["size"] for b in blocks)),
+                    "segment_bytes": segment.get("total_size", sum(b["size"] for _, b in blocks)),
                     "free_bytes": free,
                     "largest_live_bytes": live[0][1]["size"],
                     "pool": str(segment.get("segment_pool_id", "")),

@@ -272,11 +272,8 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
         loading; torch's allocated bytes they hold, its reserved bytes once the cache is
         emptied; a snapshot. Layers of earlier builds and tests are freed first: freed in
         the middle of a build, they made its layers seem to hold less than their own
-        experts (sessions k and l). They are collected before the cache is emptied: one
-        layer collected after it stayed in the reserved bytes of the next build's start
-        (session m: the 16 split layers seemed to reserve 1.24 GB less than they held)."""
+        experts (sessions k and l)."""
         _forget_layers()
-        _cuda_allocated()  # collects what the forgotten layers leave in reference cycles
         torch.cuda.empty_cache()
         base, reserved = _cuda_allocated(), torch.cuda.memory_reserved()
         with Worker._scoped_allocator_max_split(None, max_split_size_mb=20):

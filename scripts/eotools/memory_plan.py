@@ -283,7 +283,7 @@ def load_shape(config_path: pathlib.Path) -> ModelShape:
     bits = q.get("bits") if method in ("gptq", "auto-round", "awq", "inc") else None
     torch_dtype = str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16")
     arch = (cfg.get("architectures") or ["?"])[0]
-    return ModelShape(
+    shape = ModelShape(
         architecture=arch,
         model_type=str(cfg.get("model_type", text.get("model_type", ""))),
         dtype_bytes=TORCH_DTYPE_BYTES.get(torch_dtype, 2),
@@ -327,6 +327,9 @@ def load_shape(config_path: pathlib.Path) -> ModelShape:
         mtp_layers=int(get("mtp_num_hidden_layers")),
         defaulted=defaulted,
     )
+    if "intermediate_size" in defaulted and all(map(shape.is_moe_layer, range(layers))):
+        defaulted.remove("intermediate_size")  # no dense MLP uses it
+    return shape
 
 
 # --- weights --------------------------------------------------------------------------------

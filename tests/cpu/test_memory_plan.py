@@ -72,7 +72,7 @@ def test_ngram_table_rows_are_the_padded_sum_of_primes():
 
 def test_target_weights_from_the_config(target):
     shape, w = target
-    assert EXPERT == w.expert_bytes
+    assert w.expert_bytes == EXPERT
     assert round(EXPERT / MiB, 3) == 2.417  # SPEC section 1
     assert sum(p[mp.EXPERTS] for p in w.per_layer) == 48 * 512 * EXPERT
     assert round(48 * 512 * EXPERT / GiB, 2) == 58.01  # the seed's routed-expert total
@@ -105,8 +105,13 @@ def test_target_on_2x32GB_as_the_spec_lists_it(target):
         assert c.kv_budget == 360_000_000 and not c.kv_fits
         assert c.allowance == int((1.26 + 0.7) * GiB)
         assert c.vram == (
-            c.weights - c.ple_table + c.ple_table_in_vram - c.host_experts
-            + c.kv_budget + c.buffers + c.allowance
+            c.weights
+            - c.ple_table
+            + c.ple_table_in_vram
+            - c.host_experts
+            + c.kv_budget
+            + c.buffers
+            + c.allowance
         )
     assert r0.kv.ple_state == PLE_STATE and r1.kv.ple_state == 0
     # 360 MB holds (360e6 - fixed) / (6 x 2048 + 6 x 256 / 4) tokens on rank 1

@@ -492,6 +492,9 @@ def header_weights(shape: ModelShape, files: Sequence[pathlib.Path]) -> Weights:
             if layer is None:
                 outside[cat] += size
                 continue
+            if shape.num_layers <= layer < shape.num_layers + shape.mtp_layers:
+                outside[MTP] += size  # MTP stored as the layers after the last one
+                continue
             if layer >= shape.num_layers:
                 raise PlanError(
                     f"{path.name}: tensor {name} names layer {layer}, but config.json has "

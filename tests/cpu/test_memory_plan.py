@@ -308,6 +308,10 @@ def test_mixed_folders_and_bad_files_are_named(tmp_path):
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(mp.PlanError, match="mixes two models"):
         mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
+    # with 2 MTP layers, layers 2 and 3 are MTP weights stored after the last layer
+    (model / "config.json").write_text(json.dumps(dict(cfg, mtp_num_hidden_layers=2)))
+    w = mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
+    assert w.outside[mp.MTP] > 2 * 8 * SMALL_EXPERT and len(w.per_layer) == 2
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"abc")
     with pytest.raises(mp.PlanError, match="not a safetensors file"):

@@ -22,8 +22,10 @@ Sizes follow vLLM 0.29.0 as released (file:line in that tree):
   its compressed index keys one BF16 row of indexer_head_dim per compress_ratio tokens
   (common/qsa_cache.py:784-796), its raw-key ring one block of compress_ratio rows per request
   (:763-781); Gated DeltaNet conv + SSM state and the PLE short-conv state are Mamba specs of
-  2 pages each in `--mamba-cache-mode align` (v1/kv_cache_interface.py:883-895). The hybrid
-  page-size unification can round each attention layer up by less than one block: not counted.
+  2 pages each in `--mamba-cache-mode align` (v1/kv_cache_interface.py:883-895), every page
+  padded to the attention page of the block size vLLM picks for the hybrid model
+  (platforms/interface.py:767). The null block vLLM holds back (one page per layer of a KV
+  group) is not counted: leave a margin.
 - Activations, CUDA graphs, workspaces: no formula in vLLM; the allowance is the seed's
   measurement (2x32GB article, sections 1 and 3.5): 1.6 GiB per card besides weights at
   prefill chunk 512, of which 0.34 GiB was KV, and 0.4-0.7 GiB more at chunk 2048 (the upper
@@ -580,16 +582,16 @@ class KV:
 
 
 def kv_for_rank(shape: ModelShape, layers: range, s: Serving) -> KV:
+    """KV of one request at max_model_len on the rank holding `layers`, in whole pages: for a
+    hybrid model vLLM picks the attention block size (a multiple of 16 tokens) whose page holds
+    the largest Mamba state, and pads every Mamba page to it (platforms/interface.py:767-945);
+    the smaller QSA index specs are scaled up to the same page (unify in kv_cache_utils.py)."""
     d = shape.dtype_bytes
     n_full = sum(1 for i in layers if shape.layer_types[i] == "full_attention")
     n_qsa = sum(1 for i in layers if shape.is_qsa_layer(i))
     n_gdn = sum(1 for i in layers if shape.layer_types[i] == "linear_attention")
     n_ple = sum(1 for i in layers if shape.ple_dense_id(i) is not None)
-    kv_tok = 2 * shape.num_kv_heads * shape.head_dim * d * n_full
-    cr = max(shape.indexer_compress_ratio, 1)
-    idx_row = shape.indexer_head_dim * d
-    idx = n_qsa * (-(-s.max_model_len // cr) * idx_row + cr * idx_row)
-    pages = 2 if s.mamba_cache_mode == "align" else 1
+    attn_tok = 2 * shape.num_kv_heads * shape.head_dim * d  # one layer, one token
     kd = shape.linear_num_key_heads * shape.linear_key_head_dim
     vd = shape.linear_num_value_heads * shape.linear_value_head_dim
     gdn_page = (
@@ -599,15 +601,30 @@ def kv_for_rank(shape: ModelShape, layers: range, s: Serving) -> KV:
     ple_page = (
         shape.hidden_size * shape.hc_count * (shape.ple_conv_kernel_size - 1) * shape.ngram_size * d
     )
-    gdn = n_gdn * pages * gdn_page
-    ple = n_ple * pages * ple_page
+    hybrid = "linear_attention" in shape.layer_types
+    mamba_page = max(gdn_page if hybrid else 0, ple_page if shape.ple_layer_ids else 0)
+    block = 16
+    if mamba_page and attn_tok:
+        block = 16 * -(-mamba_page // (16 * attn_tok))
+    page = block * attn_tok if mamba_page else 0
+    qsa_kv = n_full * -(-s.max_model_len // block) * block * attn_tok
+    cr = max(shape.indexer_compress_ratio, 1)
+    idx_row = shape.indexer_head_dim * d
+    idx_bytes = -(-s.max_model_len // cr) * idx_row  # compressed keys of one layer
+    ring = cr * idx_row
+    if page:
+        idx_bytes = -(-idx_bytes // page) * page
+        ring = page
+    pages = 2 if s.mamba_cache_mode == "align" else 1
+    gdn = n_gdn * pages * (page or gdn_page)
+    ple = n_ple * pages * (page or ple_page)
     return KV(
-        qsa_kv=kv_tok * s.max_model_len,
-        qsa_index=idx,
+        qsa_kv=qsa_kv,
+        qsa_index=n_qsa * (idx_bytes + ring),
         gdn_state=gdn,
         ple_state=ple,
-        per_token=kv_tok + n_qsa * idx_row // cr,
-        fixed=n_qsa * cr * idx_row + gdn + ple,
+        per_token=n_full * attn_tok + n_qsa * idx_row // cr,
+        fixed=n_qsa * ring + gdn + ple,
     )
 
 

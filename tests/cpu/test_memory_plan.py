@@ -28,11 +28,18 @@ STAGE_EXPERTS = 24 * 512 * EXPERT  # 24 MoE layers per stage at PP=2
 PLE_ROWS = 320_001_536  # 16 primes >= 20,000,000, summed, padded to 128 (notes/qwen4exp.md)
 PLE_TABLE = PLE_ROWS * 160 * 2  # width 2560/16, BF16
 EMBED = 248_320 * 2560 * 2
-QSA_KV_262K = 6 * 262_144 * (2 * 2 * 256 * 2)  # 6 QSA layers, K+V, 2 heads of 256, BF16
-INDEX_262K = 6 * (262_144 // 4 * 128 * 2 + 4 * 128 * 2)  # compressed keys + raw-key ring
-GDN_PAGE = ((2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128) * 2  # conv + SSM state, BF16
-GDN_ALIGN = 18 * 2 * GDN_PAGE  # 18 GDN layers per stage, 2 pages each in align mode
-PLE_STATE = 2 * (2560 * 4) * 3 * 3 * 2  # 2 pages, 10240 channels, (4-1)*3 states
+# KV: the GDN state (conv + SSM, BF16) is the largest Mamba page; vLLM's hybrid block is the
+# multiple of 16 tokens whose attention page (2 KiB per token: K+V, 2 heads of 256, BF16) holds
+# it, and every Mamba page is padded to that page.
+GDN_PAGE = ((2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128) * 2
+assert GDN_PAGE == 1_097_728
+BLOCK = 544  # 16 * ceil(1_097_728 / (16 * 2048))
+PAGE = BLOCK * 2048  # 1,114,112 B
+QSA_KV_262K = 6 * 482 * BLOCK * 2048  # 6 QSA layers, 262,144 tokens in 482 blocks
+# compressed keys (65,536 rows of 128 BF16, in whole pages: 16) + one page of raw-key ring
+INDEX_262K = 6 * (16 * PAGE + PAGE)
+GDN_ALIGN = 18 * 2 * PAGE  # 18 GDN layers per stage, 2 pages each in align mode
+PLE_STATE = 2 * PAGE  # the PLE short-conv state (184,320 B) padded likewise
 
 
 def serving(**kw) -> mp.Serving:
@@ -99,7 +106,7 @@ def test_target_on_2x32GB_as_the_spec_lists_it(target):
     assert r0.ple_table == r0.ple_table_in_vram == PLE_TABLE and r1.ple_table == 0
     assert r0.host_experts == r1.host_experts == 3 * GiB // EXPERT * EXPERT
     for c in plan.cards:
-        assert c.kv.qsa_kv == QSA_KV_262K == 3 * GiB
+        assert c.kv.qsa_kv == QSA_KV_262K and round(QSA_KV_262K / GiB, 3) == 3.001
         assert c.kv.qsa_index == INDEX_262K
         assert c.kv.gdn_state == GDN_ALIGN
         assert c.kv_budget == 360_000_000 and not c.kv_fits
@@ -114,9 +121,10 @@ def test_target_on_2x32GB_as_the_spec_lists_it(target):
             + c.allowance
         )
     assert r0.kv.ple_state == PLE_STATE and r1.kv.ple_state == 0
+    assert round(r0.kv.one_request / GiB, 2) == 3.15
     # 360 MB holds (360e6 - fixed) / (6 x 2048 + 6 x 256 / 4) tokens on rank 1
-    fixed = 6 * 4 * 256 + GDN_ALIGN
-    assert r1.max_context == (360_000_000 - fixed) // (6 * 2048 + 6 * 64) == 25_290
+    fixed = 6 * PAGE + GDN_ALIGN
+    assert r1.max_context == (360_000_000 - fixed) // (6 * 2048 + 6 * 64) == 24_716
     assert not r0.fits and not plan.fits
     text = mp.render_markdown(plan)
     assert "vLLM refuses to start" in text and "VLLM_PLE_TABLE=host" in text
@@ -279,8 +287,11 @@ def test_small_checkpoint_plan_over_two_cards(tmp_path):
     assert r0.host_experts == r1.host_experts == 3 * SMALL_EXPERT
     assert plan.host_ple_table == want["ple0"] + want["ple2"]
     assert r0.ple_table == want["ple0"] and r1.ple_table == want["ple2"]
-    # one QSA layer per rank (layers 1 and 3): 4096 tokens x K+V 2 x 64 x 2 B x 2
-    assert r0.kv.qsa_kv == r1.kv.qsa_kv == 4096 * 2 * 2 * 64 * 2
+    # one QSA layer per rank (layers 1 and 3), K+V 2 x 64 x 2 B = 512 B per token. The largest
+    # Mamba page here is the PLE state (1024 channels x 9 x 2 B = 18,432 B; GDN: 9,728 B), so
+    # the block is 48 tokens (16 x ceil(18,432 / 8,192)) and every page 48 x 512 = 24,576 B
+    assert r0.kv.qsa_kv == r1.kv.qsa_kv == 86 * 48 * 512  # 4096 tokens in 86 blocks
+    assert r0.kv.ple_state == r0.kv.gdn_state == 2 * 24_576  # one layer each, 2 pages
     assert r0.kv_budget == 2 * r0.kv.one_request  # no --kv-cache-memory-bytes: 2 requests
     assert plan.fits  # 1.96 GiB of allowance at chunk 2048 dominates a model this small
     assert any("no --kv-cache-memory-bytes" in n for n in plan.notes)

@@ -73,23 +73,6 @@ DRIVER_MARGIN_GIB = 32607 / 1024 - 31.4
 HOST_RESERVE_GIB_BASE = 2.0
 HOST_RESERVE_GIB_PER_GPU = 3.0
 
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
 TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 

@@ -28,11 +28,19 @@ SPEC_2X32GB_TEXT = (
     "--mamba-cache-mode align"
 )
 SPEC_2X32GB = SPEC_2X32GB_TEXT.split()
-# the other topologies: what SPEC section 5 says differs from 2x32GB
+# What the compose files change from SPEC section 5, for vLLM 0.29.0 plus the series to start
+# Qwen3.8-Flash-Next (compose/README.md, scripts/memory-plan): QSA keeps its K/V in VRAM, so
+# one 262,144-token request needs ~3.1 GiB per card at PP=2 (2.1 at PP=3), not the seed's
+# 360/550 MB; and a short model name for clients.
+SERVED_NAME = "${SERVED_MODEL_NAME:-Qwen3.8-Flash-Next-INT4}"
+CHANGED_2X32GB = {"--kv-cache-memory-bytes": "3600000000", "--served-model-name": SERVED_NAME}
+# the other topologies: what SPEC section 5 says differs from 2x32GB, and the KV each needs
 SPEC_OTHERS = {
-    "3x24GB": {"--pipeline-parallel-size": "3", "--kv-cache-memory-bytes": "550000000"},
+    "3x24GB": {"--pipeline-parallel-size": "3", "--kv-cache-memory-bytes": "2400000000"},
     "2x24GB": {"--pipeline-parallel-size": "2", "--max-num-batched-tokens": "512"},
 }
+# routed experts per card on host: what each card needs with that KV (memory-plan)
+HOST_BUDGET_GIB = {"2x32GB": "7", "3x24GB": "3.5", "2x24GB": "14"}
 
 
 @pytest.fixture(scope="session")
@@ -98,9 +106,13 @@ def test_2x32GB_serves_the_spec_settings(repo_root):
     model, *args = svc["command"]
     assert substitute(model, {}) == "/models/Qwen3.8-Flash-Next-INT4"
     assert substitute(model, {"MODEL_NAME": "other"}) == "/models/other"
-    assert args == SPEC_2X32GB
+    assert flags(args) == flags(SPEC_2X32GB) | CHANGED_2X32GB
+    # the SPEC's flags in the SPEC's order, the model name first
+    assert [a for a in args if a.startswith("--")][1:] == [
+        a for a in SPEC_2X32GB if a.startswith("--")
+    ]
     cold = svc["environment"]["VLLM_EXPERT_COLD_FILE"]
-    assert substitute(cold, {}) == "/cold/3GiB-per-card.json"
+    assert substitute(cold, {}) == "/cold/7GiB-per-card.json"
     assert substitute(cold, {"COLD_FILE": "/cold/2GiB.json"}) == "/cold/2GiB.json"
     one_table = svc["environment"]["VLLM_EXPERT_ONE_TABLE"]  # offload-03: opt-in
     assert substitute(one_table, {}) == "0" and substitute(one_table, {"ONE_TABLE": "1"}) == "1"
@@ -109,8 +121,21 @@ def test_2x32GB_serves_the_spec_settings(repo_root):
 @pytest.mark.parametrize("name", list(SPEC_OTHERS))
 def test_other_topologies_change_only_what_the_spec_says(repo_root, name):
     svc = service(repo_root / f"compose/{name}.yml")
-    expected = flags(SPEC_2X32GB) | SPEC_OTHERS[name]
+    expected = flags(SPEC_2X32GB) | CHANGED_2X32GB | SPEC_OTHERS[name]
     assert flags(svc["command"][1:]) == expected
+
+
+@pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])
+def test_qwen4exp_services_keep_the_ple_table_on_host(repo_root, name):
+    svc = service(repo_root / f"compose/{name}.yml")
+    env = svc["environment"]
+    assert env["VLLM_PLE_TABLE"] == "host"  # 95 GiB: no card holds it
+    budget = HOST_BUDGET_GIB[name]
+    assert substitute(env["EO_HOST_BUDGET_GIB"], {}) == budget
+    assert substitute(env["VLLM_EXPERT_COLD_FILE"], {}) == f"/cold/{budget}GiB-per-card.json"
+    name_arg = flags(svc["command"])["--served-model-name"]
+    assert substitute(name_arg, {}) == "Qwen3.8-Flash-Next-INT4"
+    assert substitute(name_arg, {"SERVED_MODEL_NAME": "qwen"}) == "qwen"
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)

@@ -1,0 +1,1007 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Per-card VRAM and host RAM of a Qwen4Exp / Qwen3-Next-style MoE model under a pipeline
+topology, from its config.json and (when present) its safetensors headers, so that a user knows
+before downloading whether a machine fits.
+
+Sizes follow vLLM 0.29.0 as released (file:line in that tree):
+
+- Stages: `get_pp_indices` (distributed/utils.py:127), honouring VLLM_PP_LAYER_PARTITION.
+- Qwen4Exp builds `embed_tokens` and `lm_head` on every pipeline rank (models/qwen4_exp/nvidia/
+  model.py:408,644; no PPMissingLayer), the final hyper-connection mixer on the last rank only
+  (:432). Other architectures: embeddings on the first rank, LM head on the last.
+- MTP weights (`mtp.*`) are dropped by `load_weights` (model.py:816-818) unless speculative
+  decoding is on; the vision tower is not part of `*ForCausalLM`.
+- The PLE n-gram table of a PLE layer: 16 heads (`(ngram_size-1) x heads_per_ngram`), rows = the
+  sum of one prime per head above `ngram_vocab_size_base` (global head g of dense PLE layer d
+  takes the (d*heads+g+1)-th prime), padded to `make_ngram_vocab_size_divisible_by`, width
+  `ple_embed_dim / heads`, model dtype (nvidia/ple_layer.py:229-246,309-319). Upstream builds it
+  in VRAM; `VLLM_PLE_TABLE=host` (the series) keeps it in host memory.
+- KV per rank, for one request at --max-model-len (what vLLM checks against
+  --kv-cache-memory-bytes at start-up, v1/core/kv_cache_utils.py:955): QSA main K/V is a
+  `FullAttentionSpec` in VRAM (nvidia/qsa.py:331-339): 2 x kv_heads x head_dim x 2 B per token;
+  its compressed index keys one BF16 row of indexer_head_dim per compress_ratio tokens
+  (common/qsa_cache.py:784-796), its raw-key ring one block of compress_ratio rows per request
+  (:763-781); Gated DeltaNet conv + SSM state and the PLE short-conv state are Mamba specs of
+  2 pages each in `--mamba-cache-mode align` (v1/kv_cache_interface.py:883-895), every page
+  padded to the attention page of the block size vLLM picks for the hybrid model
+  (platforms/interface.py:767). The null block vLLM holds back (one page per layer of a KV
+  group) is not counted: leave a margin.
+- Activations, CUDA graphs, workspaces: no formula in vLLM; the allowance is the seed's
+  measurement (2x32GB article, sections 1 and 3.5): 1.6 GiB per card besides weights at
+  prefill chunk 512, of which 0.34 GiB was KV, and 0.4-0.7 GiB more at chunk 2048 (the upper
+  end is used, linear in the chunk), plus the model's own per-chunk buffers computed here.
+
+Without safetensors files every tensor size is estimated from the config (and the output says
+so); linear layers then count as quantized with the checkpoint's bits and group size, except
+those vLLM 0.29.0 builds without a quant config (routers, hyper-connections, embeddings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .selection import GiB, SelectionError, stage_layers
+from .topologies import TOPOLOGIES
+
+MiB = 1 << 20
+
+EXIT_FITS = 0
+EXIT_DOES_NOT_FIT = 1
+EXIT_USAGE = 2
+
+# The seed's non-weight VRAM per card (RTX 3090, 2x32GB article section 1): 1.6 GiB including
+# 0.34 GiB of KV at chunk 512; chunk 2048 adds 0.4-0.7 GiB (section 3.5; upper end used).
+ALLOWANCE_BASE_GIB = 1.6 - 0.34
+ALLOWANCE_CHUNK_BASE = 512
+ALLOWANCE_GIB_PER_CHUNK_TOKEN = 0.7 / (2048 - 512)
+# What a card reports (nvidia-smi) and what is left after the driver: the seed's RTX 5090
+# reports 32,607 MiB and counts ~31.4 GiB usable (2x32GB article section 1); the same margin is
+# taken from the RTX 3090/4090's 24,576 MiB.
+REPORTED_MIB = {32: 32607, 24: 24576}
+DRIVER_MARGIN_GIB = 32607 / 1024 - 31.4
+# vLLM's own processes besides the host experts (API server, one worker per GPU: CUDA context,
+# torch, pinned staging buffers): the preflight's estimate (eotools/preflight.py).
+HOST_RESERVE_GIB_BASE = 2.0
+HOST_RESERVE_GIB_PER_GPU = 3.0
+
+TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+class PlanError(ValueError):
+    """An input the plan cannot use; the message names the fix."""
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (bases: the first 13 primes)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        s += 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def primes_above(base: int, count: int) -> list[int]:
+    """The first `count` primes >= base, in order."""
+    out: list[int] = []
+    n = base
+    while len(out) < count:
+        if _is_prime(n):
+            out.append(n)
+        n += 1
+    return out
+
+
+def ngram_table_rows(vocab_base: int, heads: int, dense_layer_id: int, divisible_by: int) -> int:
+    """Rows of one PLE layer's n-gram table: head g of dense PLE layer d has as many rows as the
+    (d*heads+g+1)-th prime >= vocab_base, and the sum is padded (ple_layer.py:229-246,309)."""
+    primes = primes_above(vocab_base, (dense_layer_id + 1) * heads)[dense_layer_id * heads :]
+    total = sum(primes)
+    return -(-total // divisible_by) * divisible_by
+
+
+@dataclass
+class ModelShape:
+    """The config fields the plan needs, with the upstream default of each missing one."""
+
+    architecture: str
+    model_type: str
+    dtype_bytes: int
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: list[str]
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int
+    experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    intermediate_size: int
+    decoder_sparse_step: int
+    mlp_only_layers: list[int]
+    hc_count: int
+    hc_lowrank: int
+    ple_layer_ids: list[int]  # 1-based, as in the config
+    ple_embed_dim: int
+    ple_conv_kernel_size: int
+    ngram_size: int
+    heads_per_ngram: int
+    ngram_vocab_size_base: int
+    ngram_divisible_by: int
+    indexer_n_heads: int | None
+    indexer_head_dim: int
+    indexer_budget: int
+    indexer_compress_ratio: int
+    tie_word_embeddings: bool
+    quant_bits: int | None
+    quant_group_size: int
+    quant_sym: bool
+    quant_method: str | None
+    mtp_layers: int
+    defaulted: list[str] = field(default_factory=list)
+
+    @property
+    def is_qwen4exp(self) -> bool:
+        return self.model_type.startswith("qwen4_exp") or "Qwen4Exp" in self.architecture
+
+    @property
+    def ngram_heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    def is_qsa_layer(self, i: int) -> bool:
+        return self.layer_types[i] == "full_attention" and self.indexer_n_heads is not None
+
+    def ple_dense_id(self, i: int) -> int | None:
+        """Index of layer i (0-based) among the sorted PLE layers, or None."""
+        ids = sorted(set(self.ple_layer_ids))
+        return ids.index(i + 1) if i + 1 in ids else None
+
+
+# Qwen3NextConfig / Qwen4ExpTextConfig defaults in vLLM 0.29.0
+# (transformers_utils/configs/qwen3_next.py:186-219, models/qwen4_exp/config.py:35-47)
+_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 10,
+    "num_experts": 512,
+    "mlp_only_layers": [],
+    "hc_count": 4,
+    "hc_lowrank": 320,
+    "ple_layer_ids": [],
+    "ple_conv_kernel_size": 4,
+    "ngram_size": 3,
+    "heads_per_ngram": 8,
+    "ngram_vocab_size_base": 20_000_000,
+    "make_ngram_vocab_size_divisible_by": 128,
+    "tie_word_embeddings": False,
+    "mtp_num_hidden_layers": 0,
+}
+
+
+def load_shape(config_path: pathlib.Path) -> ModelShape:
+    """Read a config.json (top level, or its text_config) into a ModelShape."""
+    try:
+        cfg = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PlanError(f"cannot read {config_path}: {e}; give a model's config.json") from None
+    text = cfg.get("text_config") or cfg
+    defaulted: list[str] = []
+
+    def get(name: str) -> Any:
+        for src in (text, cfg):
+            if name in src and src[name] is not None:
+                return src[name]
+        defaulted.append(name)
+        return _DEFAULTS[name]
+
+    hidden = int(get("hidden_size"))
+    layers = int(get("num_hidden_layers"))
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        defaulted.append("layer_types")
+        layer_types = [
+            "linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
+        ]
+    if len(layer_types) != layers:
+        raise PlanError(
+            f"{config_path}: layer_types has {len(layer_types)} entries for {layers} layers"
+        )
+    ple_embed = text.get("ple_embed_dim")
+    if ple_embed is None:
+        ple_embed = hidden
+    q = cfg.get("quantization_config") or text.get("quantization_config") or {}
+    method = q.get("quant_method")
+    bits = q.get("bits") if method in ("gptq", "auto-round", "awq", "inc") else None
+    torch_dtype = str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16")
+    arch = (cfg.get("architectures") or ["?"])[0]
+    shape = ModelShape(
+        architecture=arch,
+        model_type=str(cfg.get("model_type", text.get("model_type", ""))),
+        dtype_bytes=TORCH_DTYPE_BYTES.get(torch_dtype, 2),
+        vocab_size=int(get("vocab_size")),
+        hidden_size=hidden,
+        num_layers=layers,
+        layer_types=list(layer_types),
+        num_attention_heads=int(get("num_attention_heads")),
+        num_kv_heads=int(get("num_key_value_heads")),
+        head_dim=int(get("head_dim")),
+        linear_num_key_heads=int(get("linear_num_key_heads")),
+        linear_num_value_heads=int(get("linear_num_value_heads")),
+        linear_key_head_dim=int(get("linear_key_head_dim")),
+        linear_value_head_dim=int(get("linear_value_head_dim")),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
+        num_experts=int(get("num_experts")),
+        experts_per_tok=int(get("num_experts_per_tok")),
+        moe_intermediate_size=int(get("moe_intermediate_size")),
+        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")),
+        intermediate_size=int(get("intermediate_size")),
+        decoder_sparse_step=int(get("decoder_sparse_step")),
+        mlp_only_layers=[int(x) for x in get("mlp_only_layers")],
+        hc_count=int(get("hc_count")),
+        hc_lowrank=int(get("hc_lowrank")),
+        ple_layer_ids=[int(x) for x in get("ple_layer_ids")],
+        ple_embed_dim=int(ple_embed),
+        ple_conv_kernel_size=int(get("ple_conv_kernel_size")),
+        ngram_size=int(get("ngram_size")),
+        heads_per_ngram=int(get("heads_per_ngram")),
+        ngram_vocab_size_base=int(get("ngram_vocab_size_base")),
+        ngram_divisible_by=int(get("make_ngram_vocab_size_divisible_by")),
+        indexer_n_heads=text.get("indexer_n_heads"),
+        indexer_head_dim=int(text.get("indexer_head_dim") or 0),
+        indexer_budget=int(text.get("indexer_budget") or 0),
+        indexer_compress_ratio=int(text.get("indexer_compress_ratio") or 1),
+        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        quant_bits=int(bits) if bits else None,
+        quant_group_size=int(q.get("group_size", 128) or 128),
+        quant_sym=bool(q.get("sym", True)),
+        quant_method=method,
+        mtp_layers=int(get("mtp_num_hidden_layers")),
+        defaulted=defaulted,
+    )
+    if "intermediate_size" in defaulted and all(map(shape.is_moe_layer, range(layers))):
+        defaulted.remove("intermediate_size")  # no dense MLP uses it
+    return shape
+
+
+# --- weights --------------------------------------------------------------------------------
+
+# Categories of weight bytes. Per layer: EXPERTS (routed), PLE_TABLE, LAYER (the rest);
+# global: EMBED, LM_HEAD, FINAL (last rank), MTP and VISION (not loaded by *ForCausalLM).
+EXPERTS, PLE_TABLE, LAYER = "experts", "ple_table", "layer"
+EMBED, LM_HEAD, FINAL, MTP, VISION = "embed", "lm_head", "final", "mtp", "vision"
+
+
+@dataclass
+class Weights:
+    """Weight bytes per layer and category, and of the tensors outside the layers."""
+
+    source: str  # "safetensors headers (N files)" or "estimated from config.json"
+    per_layer: list[dict[str, int]]
+    outside: dict[str, int]
+    expert_bytes: int  # one routed expert as it sits in memory
+
+
+def _linear_bytes(shape: ModelShape, n_out: int, n_in: int, quantized: bool = True) -> int:
+    """One [n_out, n_in] linear weight: BF16, or packed INT-b with BF16 group scales (and
+    packed zero points for asymmetric quantization)."""
+    if not quantized or shape.quant_bits is None:
+        return n_out * n_in * shape.dtype_bytes
+    groups = -(-n_in // shape.quant_group_size)
+    packed = n_out * n_in * shape.quant_bits // 8
+    scales = groups * n_out * 2
+    zeros = 0 if shape.quant_sym else groups * n_out * shape.quant_bits // 8
+    return packed + scales + zeros
+
+
+def estimate_weights(shape: ModelShape) -> Weights:
+    """Every tensor's size from the config alone (no checkpoint at hand)."""
+    h, d = shape.hidden_size, shape.dtype_bytes
+    expert = _linear_bytes(shape, 2 * shape.moe_intermediate_size, h) + _linear_bytes(
+        shape, h, shape.moe_intermediate_size
+    )
+    hh = h * shape.hc_count
+    pad = (-(shape.hc_lowrank + shape.hc_count)) % 16
+    hc_module = (hh * (shape.hc_lowrank + shape.hc_count + pad) + shape.hc_lowrank * hh + hh) * d
+    per_layer: list[dict[str, int]] = []
+    for i in range(shape.num_layers):
+        layer = 2 * h * d + 2 * hc_module  # norms, two hyper-connection modules
+        if shape.layer_types[i] == "linear_attention":
+            kd = shape.linear_num_key_heads * shape.linear_key_head_dim
+            vd = shape.linear_num_value_heads * shape.linear_value_head_dim
+            layer += _linear_bytes(shape, 2 * kd + 2 * vd, h)  # in_proj_qkvz
+            layer += 2 * shape.linear_num_value_heads * h * d  # in_proj_ba
+            layer += (2 * kd + vd) * shape.linear_conv_kernel_dim * d  # conv1d
+            layer += 2 * shape.linear_num_value_heads * 4 + shape.linear_value_head_dim * d
+            layer += _linear_bytes(shape, h, vd)  # out_proj
+        else:
+            heads, hd = shape.num_attention_heads, shape.head_dim
+            layer += _linear_bytes(shape, 2 * heads * hd + 2 * shape.num_kv_heads * hd, h)
+            layer += _linear_bytes(shape, h, heads * hd) + 2 * hd * d
+            if shape.is_qsa_layer(i):
+                idx = (int(shape.indexer_n_heads or 0) + 1) * shape.indexer_head_dim
+                layer += _linear_bytes(shape, idx, h) + 2 * shape.indexer_head_dim * d
+        entry = {EXPERTS: 0, PLE_TABLE: 0, LAYER: 0}
+        if shape.is_moe_layer(i):
+            entry[EXPERTS] = shape.num_experts * expert
+            layer += shape.num_experts * h * d  # router gate
+            if shape.shared_expert_intermediate_size:
+                si = shape.shared_expert_intermediate_size
+                layer += _linear_bytes(shape, 2 * si, h) + _linear_bytes(shape, h, si) + h * d
+        else:
+            layer += _linear_bytes(shape, 2 * shape.intermediate_size, h)
+            layer += _linear_bytes(shape, h, shape.intermediate_size)
+        dense_id = shape.ple_dense_id(i)
+        if dense_id is not None:
+            rows = ngram_table_rows(
+                shape.ngram_vocab_size_base, shape.ngram_heads, dense_id, shape.ngram_divisible_by
+            )
+            entry[PLE_TABLE] = rows * (shape.ple_embed_dim // shape.ngram_heads) * d
+            layer += _linear_bytes(shape, hh, shape.ple_embed_dim)  # key_proj
+            layer += _linear_bytes(shape, h, shape.ple_embed_dim)  # value_proj
+            layer += 3 * hh * d + hh * shape.ple_conv_kernel_size * d  # norms, conv1d
+        entry[LAYER] = layer
+        per_layer.append(entry)
+    embed = shape.vocab_size * h * d
+    outside = {
+        EMBED: embed,
+        LM_HEAD: 0 if shape.tie_word_embeddings else embed,
+        FINAL: h * d + (hh * shape.hc_lowrank * 2 + hh) * d,  # norm, final HC mixer
+        MTP: shape.mtp_layers * (per_layer[-1][EXPERTS] + per_layer[-1][LAYER]),
+        VISION: 0,
+    }
+    return Weights("estimated from config.json (no safetensors files)", per_layer, outside, expert)
+
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _classify(name: str) -> tuple[str, int | None]:
+    """(category, layer) of a checkpoint tensor name."""
+    if name.startswith("mtp.") or ".mtp." in name:
+        return MTP, None
+    if "visual." in name or name.startswith("vision"):
+        return VISION, None
+    if name.startswith("lm_head."):
+        return LM_HEAD, None
+    if "embed_tokens." in name:
+        return EMBED, None
+    m = _LAYER_RE.search(name)
+    if m is None:
+        return FINAL, None
+    layer = int(m.group(1))
+    if ".ngram_embedding" in name:
+        return PLE_TABLE, layer
+    if ".mlp.experts." in name:
+        return EXPERTS, layer
+    return LAYER, layer
+
+
+def _resident_expert_tensor(name: str, shape: ModelShape) -> bool:
+    """Whether a routed-expert checkpoint tensor stays in memory after the Marlin repack:
+    symmetric INT4 needs no zero points, and act-order indices are empty without desc_act."""
+    if name.endswith(".g_idx"):
+        return False
+    return not (name.endswith(".qzeros") and shape.quant_sym and shape.quant_bits is not None)
+
+
+def safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        where = json.loads(index.read_text())["weight_map"]
+        return [model_dir / n for n in sorted(set(where.values()))]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def read_header(path: pathlib.Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (its first 8 + N bytes; no tensor data)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise PlanError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * MiB:
+            raise PlanError(f"{path}: header length {n} is not plausible; is it safetensors?")
+        try:
+            return json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: unreadable safetensors header: {e}") from None
+
+
+def header_weights(shape: ModelShape, files: Sequence[pathlib.Path]) -> Weights:
+    """Weight bytes from the safetensors headers: each tensor's data_offsets."""
+    per_layer = [{EXPERTS: 0, PLE_TABLE: 0, LAYER: 0} for _ in range(shape.num_layers)]
+    outside = dict.fromkeys((EMBED, LM_HEAD, FINAL, MTP, VISION), 0)
+    expert0: dict[str, int] = {}
+    expert0_prefix: str | None = None
+    for path in files:
+        for name, meta in read_header(path).items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            size = end - start
+            cat, layer = _classify(name)
+            if layer is None:
+                outside[cat] += size
+                continue
+            if shape.num_layers <= layer < shape.num_layers + shape.mtp_layers:
+                outside[MTP] += size  # MTP stored as the layers after the last one
+                continue
+            if layer >= shape.num_layers:
+                raise PlanError(
+                    f"{path.name}: tensor {name} names layer {layer}, but config.json has "
+                    f"{shape.num_layers} layers; the folder mixes two models"
+                )
+            if cat == EXPERTS:
+                if not _resident_expert_tensor(name, shape):
+                    continue
+                prefix, _, rest = name.partition(".mlp.experts.")
+                eid, _, tensor = rest.partition(".")
+                if eid == "0" and expert0_prefix in (None, prefix):
+                    expert0_prefix = prefix
+                    expert0[tensor] = size
+            per_layer[layer][cat] += size
+    if shape.tie_word_embeddings:
+        outside[LM_HEAD] = 0
+    where = f"safetensors headers ({len(files)} file{'s' if len(files) != 1 else ''})"
+    return Weights(where, per_layer, outside, sum(expert0.values()))
+
+
+# --- serving settings -----------------------------------------------------------------------
+
+
+@dataclass
+class Serving:
+    """What the plan is for: the topology and the vLLM arguments that decide memory."""
+
+    name: str
+    pp_size: int
+    usable_vram_bytes: int | None  # per card; None: any size
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory_bytes: int | None
+    mamba_cache_mode: str
+    ple_table: str  # "gpu" or "host"
+    host_gib_per_card: float
+    layer_partition: list[int] | None
+
+
+def usable_vram_bytes(vram_gib: float) -> int:
+    """What a card of `vram_gib` nominal GB leaves to vLLM (seed: a 5090's 31.4 GiB)."""
+    reported = REPORTED_MIB.get(round(vram_gib), vram_gib * 1000**3 / MiB)
+    return int((reported / 1024 - DRIVER_MARGIN_GIB) * GiB)
+
+
+def read_compose(path: pathlib.Path) -> dict[str, Any]:
+    """The serving settings of a compose file (defaults of its ${VAR:-default} taken)."""
+    from .dockerfile import substitute
+    from .schemas import load_yaml
+
+    doc = load_yaml(path)
+    [svc] = doc["services"].values()
+    args = [substitute(str(a), {}) for a in svc.get("command", [])]
+    env = {k: substitute(str(v), {}) for k, v in (svc.get("environment") or {}).items()}
+    flags: dict[str, str | None] = {}
+    for i, arg in enumerate(args):
+        if arg.startswith("--"):
+            key, eq, inline = arg.partition("=")
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            flags[key] = inline if eq else (None if nxt is None or nxt.startswith("--") else nxt)
+    topology = ((svc.get("build") or {}).get("args") or {}).get("TOPOLOGY")
+    return {"flags": flags, "env": env, "topology": topology, "model": args[0] if args else None}
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+@dataclass
+class KV:
+    """KV cache and recurrent state of one rank for one request at max_model_len."""
+
+    qsa_kv: int  # main K/V of the QSA (or plain full-attention) layers
+    qsa_index: int  # compressed index keys and raw-key rings
+    gdn_state: int  # Gated DeltaNet conv + SSM state
+    ple_state: int  # PLE short-conv state
+    per_token: int  # bytes per context token on this rank
+    fixed: int  # bytes per request that do not grow with the context
+
+    @property
+    def one_request(self) -> int:
+        return self.qsa_kv + self.qsa_index + self.gdn_state + self.ple_state
+
+
+def kv_for_rank(shape: ModelShape, layers: range, s: Serving) -> KV:
+    """KV of one request at max_model_len on the rank holding `layers`, in whole pages: for a
+    hybrid model vLLM picks the attention block size (a multiple of 16 tokens) whose page holds
+    the largest Mamba state, and pads every Mamba page to it (platforms/interface.py:767-945);
+    the smaller QSA index specs are scaled up to the same page (unify in kv_cache_utils.py)."""
+    d = shape.dtype_bytes
+    n_full = sum(1 for i in layers if shape.layer_types[i] == "full_attention")
+    n_qsa = sum(1 for i in layers if shape.is_qsa_layer(i))
+    n_gdn = sum(1 for i in layers if shape.layer_types[i] == "linear_attention")
+    n_ple = sum(1 for i in layers if shape.ple_dense_id(i) is not None)
+    attn_tok = 2 * shape.num_kv_heads * shape.head_dim * d  # one layer, one token
+    kd = shape.linear_num_key_heads * shape.linear_key_head_dim
+    vd = shape.linear_num_value_heads * shape.linear_value_head_dim
+    gdn_page = (
+        (2 * kd + vd) * (shape.linear_conv_kernel_dim - 1)
+        + shape.linear_num_value_heads * shape.linear_value_head_dim * shape.linear_key_head_dim
+    ) * d
+    ple_page = (
+        shape.hidden_size * shape.hc_count * (shape.ple_conv_kernel_size - 1) * shape.ngram_size * d
+    )
+    hybrid = "linear_attention" in shape.layer_types
+    mamba_page = max(gdn_page if hybrid else 0, ple_page if shape.ple_layer_ids else 0)
+    block = 16
+    if mamba_page and attn_tok:
+        block = 16 * -(-mamba_page // (16 * attn_tok))
+    page = block * attn_tok if mamba_page else 0
+    qsa_kv = n_full * -(-s.max_model_len // block) * block * attn_tok
+    cr = max(shape.indexer_compress_ratio, 1)
+    idx_row = shape.indexer_head_dim * d
+    idx_bytes = -(-s.max_model_len // cr) * idx_row  # compressed keys of one layer
+    ring = cr * idx_row
+    if page:
+        idx_bytes = -(-idx_bytes // page) * page
+        ring = page
+    pages = 2 if s.mamba_cache_mode == "align" else 1
+    gdn = n_gdn * pages * (page or gdn_page)
+    ple = n_ple * pages * (page or ple_page)
+    return KV(
+        qsa_kv=qsa_kv,
+        qsa_index=n_qsa * (idx_bytes + ring),
+        gdn_state=gdn,
+        ple_state=ple,
+        per_token=n_full * attn_tok + n_qsa * idx_row // cr,
+        fixed=n_qsa * ring + gdn + ple,
+    )
+
+
+def model_buffers(shape: ModelShape, layers: range, s: Serving) -> int:
+    """Buffers the model allocates per prefill chunk: QSA top-k indices (qsa.py:311-320), the
+    PLE padded-id and position buffers (ple_layer.py:320-335)."""
+    t = s.max_num_batched_tokens
+    out = 0
+    for i in layers:
+        if shape.is_qsa_layer(i):
+            out += t * (shape.indexer_budget + shape.indexer_compress_ratio - 1) * 4
+        if shape.ple_dense_id(i) is not None:
+            out += (s.max_num_seqs * t + t) * 8
+    return out
+
+
+def allowance_bytes(s: Serving) -> int:
+    extra = max(s.max_num_batched_tokens - ALLOWANCE_CHUNK_BASE, 0)
+    return int((ALLOWANCE_BASE_GIB + extra * ALLOWANCE_GIB_PER_CHUNK_TOKEN) * GiB)
+
+
+@dataclass
+class Card:
+    rank: int
+    layers: str  # "0-23"
+    holds: list[str]  # embeddings, PLE layers, LM head, MTP
+    weights: int  # every weight of the stage that vLLM loads, host experts included
+    experts: int  # routed experts of the stage
+    host_experts: int
+    ple_table: int  # of this stage's PLE layers
+    ple_table_in_vram: int
+    kv_budget: int  # what vLLM allocates: --kv-cache-memory-bytes, or one request per seq
+    kv: KV
+    buffers: int
+    allowance: int
+    vram: int
+    usable: int | None
+    min_host_gib: float  # routed experts that must leave VRAM for this card to fit
+
+    @property
+    def fits(self) -> bool:
+        return self.usable is None or self.vram <= self.usable
+
+    @property
+    def kv_fits(self) -> bool:
+        return self.kv.one_request <= self.kv_budget
+
+    @property
+    def max_context(self) -> int:
+        """The longest request the KV budget holds on this rank."""
+        room = self.kv_budget - self.kv.fixed
+        return max(room // self.kv.per_token, 0) if self.kv.per_token else 2**62
+
+
+@dataclass
+class Plan:
+    model: str
+    weights_source: str
+    defaulted: list[str]
+    serving: Serving
+    expert_bytes: int
+    cards: list[Card]
+    host_experts: int
+    host_ple_table: int
+    host_reserve: int
+    host_total: int
+    not_loaded: dict[str, int]
+    notes: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return all(c.fits and c.kv_fits for c in self.cards)
+
+
+def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") -> Plan:
+    try:
+        stages = stage_layers(shape.num_layers, s.pp_size, s.layer_partition)
+    except SelectionError as e:
+        raise PlanError(str(e)) from None
+    cards: list[Card] = []
+    notes: list[str] = []
+    budget = int(s.host_gib_per_card * GiB)
+    for rank, layers in enumerate(stages):
+        first, last = rank == 0, rank == s.pp_size - 1
+        per = [weights.per_layer[i] for i in layers]
+        experts = sum(p[EXPERTS] for p in per)
+        ple = sum(p[PLE_TABLE] for p in per)
+        other = sum(p[LAYER] for p in per)
+        holds = []
+        if shape.is_qwen4exp:  # embed_tokens and lm_head on every rank in 0.29.0
+            other += weights.outside[EMBED] + weights.outside[LM_HEAD]
+            holds += ["embeddings", "LM head"]
+        else:
+            if first:
+                other += weights.outside[EMBED]
+                holds.append("embeddings")
+            if last:
+                other += weights.outside[LM_HEAD]
+                holds.append("LM head")
+        if last:
+            other += weights.outside[FINAL]
+        ple_ids = [i + 1 for i in layers if shape.ple_dense_id(i) is not None]
+        if ple_ids:
+            holds.append("PLE layer " + ",".join(map(str, ple_ids)))
+        if last and shape.mtp_layers:
+            holds.append("MTP (loaded only with speculative decoding)")
+        eb = max(weights.expert_bytes, 1)
+        host = min(budget // eb * eb, experts) if weights.expert_bytes else 0
+        ple_vram = ple if s.ple_table == "gpu" else 0
+        kv = kv_for_rank(shape, layers, s)
+        kv_budget = (
+            s.kv_cache_memory_bytes
+            if s.kv_cache_memory_bytes is not None
+            else kv.one_request * s.max_num_seqs
+        )
+        buffers = model_buffers(shape, layers, s)
+        allowance = allowance_bytes(s)
+        vram = experts + other + ple_vram - host + kv_budget + buffers + allowance
+        usable = s.usable_vram_bytes
+        need_host = 0.0 if usable is None else max(vram + host - usable, 0) / GiB
+        cards.append(
+            Card(
+                rank=rank,
+                layers=f"{layers.start}-{layers.stop - 1}",
+                holds=holds,
+                weights=experts + other + ple,
+                experts=experts,
+                host_experts=host,
+                ple_table=ple,
+                ple_table_in_vram=ple_vram,
+                kv_budget=kv_budget,
+                kv=kv,
+                buffers=buffers,
+                allowance=allowance,
+                vram=vram,
+                usable=usable,
+                min_host_gib=need_host,
+            )
+        )
+    host_experts = sum(c.host_experts for c in cards)
+    host_ple = sum(c.ple_table for c in cards) if s.ple_table == "host" else 0
+    reserve = int((HOST_RESERVE_GIB_BASE + HOST_RESERVE_GIB_PER_GPU * s.pp_size) * GiB)
+    if budget and not weights.expert_bytes:
+        notes.append("no routed experts found: the host budget places nothing")
+    if shape.is_qwen4exp and shape.ple_layer_ids and s.pp_size > 1:
+        notes.append(
+            "vLLM 0.29.0 refuses PP > 1 with PLE (model_executor/models/config.py:877); the "
+            "series' PP-with-PLE patch is needed"
+        )
+    if s.kv_cache_memory_bytes is None:
+        notes.append(
+            "no --kv-cache-memory-bytes: KV counted as max-num-seqs requests at max-model-len"
+        )
+    return Plan(
+        model=model,
+        weights_source=weights.source,
+        defaulted=shape.defaulted,
+        serving=s,
+        expert_bytes=weights.expert_bytes,
+        cards=cards,
+        host_experts=host_experts,
+        host_ple_table=host_ple,
+        host_reserve=reserve,
+        host_total=host_experts + host_ple + reserve,
+        not_loaded={k: v for k, v in weights.outside.items() if k in (MTP, VISION) and v},
+        notes=notes,
+    )
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _g(n: int | float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def render_markdown(p: Plan) -> str:
+    s = p.serving
+    lines = [
+        f"Memory plan: {p.model or 'model'} on {s.name} (PP={s.pp_size}), "
+        f"--max-model-len {s.max_model_len}, --max-num-seqs {s.max_num_seqs}, "
+        f"--max-num-batched-tokens {s.max_num_batched_tokens}, --kv-cache-memory-bytes "
+        f"{s.kv_cache_memory_bytes if s.kv_cache_memory_bytes is not None else 'unset'}, "
+        f"PLE table on {s.ple_table}, {s.host_gib_per_card:g} GiB of routed experts per card "
+        "on host.",
+        f"Weights: {p.weights_source}; one routed expert = {p.expert_bytes / MiB:.3f} MiB.",
+        "",
+        "| GiB per card | " + " | ".join(f"rank {c.rank}" for c in p.cards) + " |",
+        "|---|" + "---:|" * len(p.cards),
+    ]
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(values) + " |")
+
+    row("layers", [c.layers for c in p.cards])
+    row("also holds", [", ".join(c.holds) or "-" for c in p.cards])
+    row("weights of the stage (PLE table apart)", [_g(c.weights - c.ple_table) for c in p.cards])
+    row("- routed experts on host", [_g(c.host_experts) for c in p.cards])
+    row("+ PLE n-gram table in VRAM", [_g(c.ple_table_in_vram) for c in p.cards])
+    row("+ KV cache allocated", [_g(c.kv_budget) for c in p.cards])
+    row("  (one max-len request needs)", [_g(c.kv.one_request) for c in p.cards])
+    row("+ model buffers per chunk", [_g(c.buffers) for c in p.cards])
+    row("+ activations, CUDA graphs, workspace", [_g(c.allowance) for c in p.cards])
+    row("**VRAM**", [f"**{_g(c.vram)}**" for c in p.cards])
+    row(
+        "usable VRAM",
+        [_g(c.usable) if c.usable is not None else "any" for c in p.cards],
+    )
+    row("fits", ["yes" if c.fits else f"NO (+{_g(c.vram - c.usable)})" for c in p.cards])
+    row("host experts needed to fit", [f"{c.min_host_gib:.2f}" for c in p.cards])
+    row(
+        "longest request the KV holds (tokens)",
+        [f"{min(c.max_context, 10**9):,}" for c in p.cards],
+    )
+    lines += [
+        "",
+        "| host RAM | GiB |",
+        "|---|---:|",
+        f"| routed experts on host (all cards) | {_g(p.host_experts)} |",
+        f"| PLE n-gram table | {_g(p.host_ple_table)} |",
+        f"| vLLM's processes, pinned staging (preflight estimate) | {_g(p.host_reserve)} |",
+        f"| **total** | **{_g(p.host_total)}** |",
+        "",
+    ]
+    for c in p.cards:
+        if not c.kv_fits:
+            lines.append(
+                f"- rank {c.rank}: one request at --max-model-len {s.max_model_len} needs "
+                f"{_g(c.kv.one_request)} GiB of KV (QSA K/V {_g(c.kv.qsa_kv)}, index keys "
+                f"{_g(c.kv.qsa_index)}, GDN state {_g(c.kv.gdn_state)}, PLE state "
+                f"{_g(c.kv.ple_state)}), more than the {_g(c.kv_budget)} GiB allocated: vLLM "
+                "refuses to start. Raise --kv-cache-memory-bytes or lower --max-model-len to "
+                f"{c.max_context}."
+            )
+        if not c.fits:
+            if c.ple_table_in_vram:
+                fix = "keep the PLE n-gram table in host memory (VLLM_PLE_TABLE=host)"
+            elif c.min_host_gib * GiB > c.experts:
+                fix = "no host budget is enough (all routed experts would leave); use more cards"
+            else:
+                fix = (
+                    f"put at least {c.min_host_gib:.2f} GiB of routed experts per card on "
+                    "host, or lower the KV cache"
+                )
+            lines.append(
+                f"- rank {c.rank}: needs {_g(c.vram)} GiB of {_g(c.usable or 0)} GiB usable: {fix}."
+            )
+    for k, v in p.not_loaded.items():
+        lines.append(f"- not loaded: {k} weights ({_g(v)} GiB) of the checkpoint")
+    if p.defaulted:
+        lines.append(
+            "- config.json lacks " + ", ".join(p.defaulted) + ": vLLM 0.29.0's defaults used"
+        )
+    lines += [f"- {n}" for n in p.notes]
+    lines.append(
+        "- allowance: seed measurement (1.26 GiB besides weights and KV at chunk 512, +0.7 GiB "
+        "at chunk 2048); usable VRAM: the seed's 31.4 GiB of a 32,607 MiB card, same margin "
+        "for others."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def to_json(p: Plan) -> dict[str, Any]:
+    doc = asdict(p)
+    for c, card in zip(doc["cards"], p.cards, strict=True):
+        c.update(
+            fits=card.fits,
+            kv_fits=card.kv_fits,
+            kv_one_request=card.kv.one_request,
+            max_context=card.max_context,
+        )
+    doc["fits"] = p.fits
+    return doc
+
+
+# --- command line ---------------------------------------------------------------------------
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def build_serving(args: argparse.Namespace) -> Serving:
+    compose: dict[str, Any] = {"flags": {}, "env": {}, "topology": None}
+    compose_path = args.compose
+    if compose_path is None and args.topology:
+        candidate = REPO / "compose" / f"{args.topology}.yml"
+        compose_path = candidate if candidate.exists() else None
+    if compose_path is not None:
+        try:
+            compose = read_compose(compose_path)
+        except (OSError, KeyError, ValueError) as e:
+            raise PlanError(f"cannot read the compose file {compose_path}: {e}") from None
+    fl, env = compose["flags"], compose["env"]
+    name = args.topology or compose["topology"]
+    topo = TOPOLOGIES.get(name) if name else None
+    if name and topo is None:
+        raise PlanError(f"unknown topology {name!r}; known: {', '.join(TOPOLOGIES)}")
+
+    def pick(cli: Any, flag: str, default: Any, cast: Any = int) -> Any:
+        if cli is not None:
+            return cli
+        if fl.get(flag) is not None:
+            return cast(fl[flag])
+        return default
+
+    pp = pick(args.pp_size, "--pipeline-parallel-size", topo.pipeline_parallel_size if topo else 1)
+    if args.vram_gib is not None:
+        usable = int(args.vram_gib * GiB)
+    elif topo is not None and topo.vram_gib is not None:
+        usable = usable_vram_bytes(topo.vram_gib)
+    else:
+        usable = None
+    partition = (
+        args.layer_partition
+        or env.get("VLLM_PP_LAYER_PARTITION")
+        or os.environ.get("VLLM_PP_LAYER_PARTITION")
+    )
+    try:
+        parts = [int(x) for x in partition.split(",")] if partition else None
+    except ValueError:
+        raise PlanError(f"layer partition {partition!r}: give comma-separated counts") from None
+    host = args.host_gib_per_card
+    if host is None:
+        host = float(env.get("EO_HOST_BUDGET_GIB") or 0)
+    kv = pick(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes", None)
+    return Serving(
+        name=name or f"{pp} card(s)",
+        pp_size=int(pp),
+        usable_vram_bytes=usable,
+        max_model_len=pick(args.max_model_len, "--max-model-len", None),
+        max_num_seqs=pick(args.max_num_seqs, "--max-num-seqs", 256),
+        max_num_batched_tokens=pick(args.max_num_batched_tokens, "--max-num-batched-tokens", 2048),
+        kv_cache_memory_bytes=kv,
+        mamba_cache_mode=pick(args.mamba_cache_mode, "--mamba-cache-mode", "none", str),
+        ple_table=args.ple_table or env.get("VLLM_PLE_TABLE") or "gpu",
+        host_gib_per_card=host,
+        layer_partition=parts,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="memory-plan",
+        description="Per-card VRAM and host RAM of a model under a topology, from its "
+        "config.json and safetensors headers (no tensor data is read; without safetensors "
+        "files every size is estimated from the config). Settings come from compose/"
+        "<topology>.yml (or --compose FILE); each flag overrides them.",
+        epilog="Exit codes: 0 every card fits and the KV cache holds one request at "
+        "--max-model-len; 1 some card or KV cache does not (the table says which, and what "
+        "to change); 2 bad input.",
+    )
+    ap.add_argument("model", type=pathlib.Path, help="checkpoint folder, or its config.json")
+    ap.add_argument("--topology", help=f"one of {', '.join(TOPOLOGIES)}")
+    ap.add_argument("--compose", type=pathlib.Path, help="read the settings of this compose file")
+    ap.add_argument("--pp-size", type=int)
+    ap.add_argument("--vram-gib", type=float, help="usable VRAM per card (GiB)")
+    ap.add_argument(
+        "--host-gib-per-card",
+        type=float,
+        help="cold set size: GiB of routed "
+        "experts per card on host (default: the compose file's EO_HOST_BUDGET_GIB)",
+    )
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--max-num-batched-tokens", type=int)
+    ap.add_argument("--kv-cache-memory-bytes", type=int)
+    ap.add_argument("--mamba-cache-mode", choices=["none", "align", "all"])
+    ap.add_argument(
+        "--ple-table",
+        choices=["gpu", "host"],
+        help="where the PLE n-gram table "
+        "lives (VLLM_PLE_TABLE; default: the compose file's, else gpu as upstream)",
+    )
+    ap.add_argument("--layer-partition", help="VLLM_PP_LAYER_PARTITION, e.g. 25,23")
+    ap.add_argument("--config-only", action="store_true", help="ignore safetensors files")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
+    args = ap.parse_args(argv)
+    try:
+        path = args.model
+        config = path if path.is_file() else path / "config.json"
+        shape = load_shape(config)
+        files = [] if args.config_only or path.is_file() else safetensors_files(path)
+        weights = header_weights(shape, files) if files else estimate_weights(shape)
+        serving = build_serving(args)
+        if serving.max_model_len is None:
+            raise PlanError("no --max-model-len (and none in the compose file): give one")
+        plan = make_plan(shape, weights, serving, model=config.parent.name)
+    except PlanError as e:
+        print(f"memory-plan: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(to_json(plan), indent=1))
+    else:
+        print(render_markdown(plan), end="")
+    return EXIT_FITS if plan.fits else EXIT_DOES_NOT_FIT
+
+
+__all__ = ["PlanError", "main", "make_plan", "ngram_table_rows"]

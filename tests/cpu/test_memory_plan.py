@@ -1,0 +1,380 @@
+# SPDX-License-Identifier: Apache-2.0
+"""scripts/memory-plan: the per-card memory table against hand-computed numbers for the
+Qwen3.8-Flash-Next INT4 stand-in config (tests/cpu/data), and against a small checkpoint whose
+safetensors files the test writes (sizes read from the headers only)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from eotools import memory_plan as mp
+from eotools.selection import GiB
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TARGET = ROOT / "tests/cpu/data/qwen3.8-flash-next-int4"
+MiB = 1 << 20
+
+# Hand-computed for the target (INT4 g128 symmetric, BF16 scales, hidden 2560, width 640):
+# w13 [1280, 2560]: 1280*2560/2 packed + 20 groups*1280*2 scales; w2 [2560, 640]: 2560*640/2
+# packed + 5 groups*2560*2 scales.
+EXPERT = 1280 * 2560 // 2 + 20 * 1280 * 2 + 2560 * 640 // 2 + 5 * 2560 * 2
+STAGE_EXPERTS = 24 * 512 * EXPERT  # 24 MoE layers per stage at PP=2
+PLE_ROWS = 320_001_536  # 16 primes >= 20,000,000, summed, padded to 128 (notes/qwen4exp.md)
+PLE_TABLE = PLE_ROWS * 160 * 2  # width 2560/16, BF16
+EMBED = 248_320 * 2560 * 2
+# KV: the GDN state (conv + SSM, BF16) is the largest Mamba page; vLLM's hybrid block is the
+# multiple of 16 tokens whose attention page (2 KiB per token: K+V, 2 heads of 256, BF16) holds
+# it, and every Mamba page is padded to that page.
+GDN_PAGE = ((2 * 16 * 128 + 32 * 128) * 3 + 32 * 128 * 128) * 2
+assert GDN_PAGE == 1_097_728
+BLOCK = 544  # 16 * ceil(1_097_728 / (16 * 2048))
+PAGE = BLOCK * 2048  # 1,114,112 B
+QSA_KV_262K = 6 * 482 * BLOCK * 2048  # 6 QSA layers, 262,144 tokens in 482 blocks
+# compressed keys (65,536 rows of 128 BF16, in whole pages: 16) + one page of raw-key ring
+INDEX_262K = 6 * (16 * PAGE + PAGE)
+GDN_ALIGN = 18 * 2 * PAGE  # 18 GDN layers per stage, 2 pages each in align mode
+PLE_STATE = 2 * PAGE  # the PLE short-conv state (184,320 B) padded likewise
+
+
+def serving(**kw) -> mp.Serving:
+    base = dict(
+        name="2x32GB",
+        pp_size=2,
+        usable_vram_bytes=mp.usable_vram_bytes(32),
+        max_model_len=262_144,
+        max_num_seqs=2,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_bytes=360_000_000,
+        mamba_cache_mode="align",
+        ple_table="gpu",
+        host_gib_per_card=3.0,
+        layer_partition=None,
+    )
+    return mp.Serving(**(base | kw))
+
+
+@pytest.fixture(scope="module")
+def target():
+    shape = mp.load_shape(TARGET / "config.json")
+    return shape, mp.estimate_weights(shape)
+
+
+def test_ngram_table_rows_are_the_padded_sum_of_primes():
+    assert mp.primes_above(20_000_000, 3) == [20_000_003, 20_000_023, 20_000_033]
+    assert mp.ngram_table_rows(20_000_000, 16, 0, 128) == PLE_ROWS
+    assert PLE_ROWS * 160 == 51_200_245_760  # the "51B n-gram table"
+    # a second PLE layer takes the next 16 primes: a different, larger table
+    assert mp.ngram_table_rows(20_000_000, 16, 1, 128) > PLE_ROWS
+    # small case by hand: primes >= 10 are 11, 13; 24 padded to 8 -> 24, to 16 -> 32
+    assert mp.ngram_table_rows(10, 2, 0, 8) == 24
+    assert mp.ngram_table_rows(10, 2, 0, 16) == 32
+    assert mp.ngram_table_rows(10, 2, 1, 1) == 17 + 19
+
+
+def test_target_weights_from_the_config(target):
+    shape, w = target
+    assert w.expert_bytes == EXPERT
+    assert round(EXPERT / MiB, 3) == 2.417  # SPEC section 1
+    assert sum(p[mp.EXPERTS] for p in w.per_layer) == 48 * 512 * EXPERT
+    assert round(48 * 512 * EXPERT / GiB, 2) == 58.01  # the seed's routed-expert total
+    assert [p[mp.PLE_TABLE] for p in w.per_layer] == [PLE_TABLE] + [0] * 47
+    assert round(PLE_TABLE / GiB, 2) == 95.37
+    assert w.outside[mp.EMBED] == w.outside[mp.LM_HEAD] == EMBED
+    # all weights a PP=1 engine loads: within 1 GiB of the seed's 62.27 GiB (the config fields
+    # the spec does not give are defaults, so the rest of the layers is an estimate)
+    loaded = sum(p[mp.EXPERTS] + p[mp.LAYER] for p in w.per_layer) + 2 * EMBED
+    loaded += w.outside[mp.FINAL]
+    assert abs(loaded / GiB - 62.27) < 1.0
+    assert "layer_types" in shape.defaulted  # said, not hidden
+
+
+def test_target_on_2x32GB_as_the_spec_lists_it(target):
+    """The SPEC settings: the PLE table in VRAM and 360 MB of KV do not start."""
+    shape, w = target
+    plan = mp.make_plan(shape, w, serving())
+    r0, r1 = plan.cards
+    assert (r0.layers, r1.layers) == ("0-23", "24-47")
+    assert r0.experts == r1.experts == STAGE_EXPERTS
+    # Qwen4Exp 0.29.0: embeddings and LM head on every rank; PLE layer 1 on rank 0
+    assert "embeddings" in r1.holds and "LM head" in r0.holds
+    assert r0.ple_table == r0.ple_table_in_vram == PLE_TABLE and r1.ple_table == 0
+    assert r0.host_experts == r1.host_experts == 3 * GiB // EXPERT * EXPERT
+    for c in plan.cards:
+        assert c.kv.qsa_kv == QSA_KV_262K and round(QSA_KV_262K / GiB, 3) == 3.001
+        assert c.kv.qsa_index == INDEX_262K
+        assert c.kv.gdn_state == GDN_ALIGN
+        assert c.kv_budget == 360_000_000 and not c.kv_fits
+        assert c.allowance == int((1.26 + 0.7) * GiB)
+        assert c.vram == (
+            c.weights
+            - c.ple_table
+            + c.ple_table_in_vram
+            - c.host_experts
+            + c.kv_budget
+            + c.buffers
+            + c.allowance
+        )
+    assert r0.kv.ple_state == PLE_STATE and r1.kv.ple_state == 0
+    assert round(r0.kv.one_request / GiB, 2) == 3.15
+    # 360 MB holds (360e6 - fixed) / (6 x 2048 + 6 x 256 / 4) tokens on rank 1
+    fixed = 6 * PAGE + GDN_ALIGN
+    assert r1.max_context == (360_000_000 - fixed) // (6 * 2048 + 6 * 64) == 24_716
+    assert not r0.fits and not plan.fits
+    text = mp.render_markdown(plan)
+    assert "vLLM refuses to start" in text and "VLLM_PLE_TABLE=host" in text
+
+
+def test_target_on_2x32GB_with_the_table_on_host(target):
+    shape, w = target
+    s = serving(ple_table="host", kv_cache_memory_bytes=3_600_000_000, host_gib_per_card=7.0)
+    plan = mp.make_plan(shape, w, s)
+    assert plan.fits
+    assert plan.host_ple_table == PLE_TABLE
+    assert plan.host_experts == 2 * (7 * GiB // EXPERT * EXPERT)
+    assert plan.host_total == plan.host_experts + PLE_TABLE + (2 + 3 * 2) * GiB
+    for c in plan.cards:
+        assert c.ple_table_in_vram == 0 and c.kv_fits and c.max_context >= 262_144
+        assert c.vram <= c.usable == int(31.4 * GiB)
+    # 3 GiB per card is not enough once one 262,144-token request's K/V is in VRAM
+    short = mp.make_plan(shape, w, serving(ple_table="host", kv_cache_memory_bytes=3_600_000_000))
+    assert not short.fits and all(6 < c.min_host_gib < 7 for c in short.cards)
+
+
+def test_layer_partition_moves_layers_and_what_they_hold(target):
+    shape, w = target
+    plan = mp.make_plan(shape, w, serving(layer_partition=[26, 22], ple_table="host"))
+    r0, r1 = plan.cards
+    assert (r0.layers, r1.layers) == ("0-25", "26-47")
+    assert r0.experts == 26 * 512 * EXPERT and r1.experts == 22 * 512 * EXPERT
+    # layers 3,7,...,23 on rank 0 (6 QSA layers), 27,...,47 on rank 1 (6)
+    assert r0.kv.qsa_kv == r1.kv.qsa_kv
+    with pytest.raises(mp.PlanError, match="does not split 48 layers"):
+        mp.make_plan(shape, w, serving(layer_partition=[20, 20]))
+
+
+# --- a small checkpoint written by the test ---------------------------------------------------
+
+SMALL = {
+    "architectures": ["Qwen4ExpForCausalLM"],
+    "model_type": "qwen4_exp",
+    "torch_dtype": "bfloat16",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention"] * 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "intermediate_size": 512,
+    "mlp_only_layers": [],
+    "decoder_sparse_step": 1,
+    "hc_count": 4,
+    "hc_lowrank": 32,
+    "ple_layer_ids": [1, 3],
+    "ngram_size": 3,
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 100,
+    "make_ngram_vocab_size_divisible_by": 8,
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 64,
+    "indexer_budget": 2048,
+    "indexer_compress_ratio": 4,
+    "mtp_num_hidden_layers": 1,
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True},
+}
+
+
+def _expert_tensors(prefix: str) -> dict[str, np.ndarray]:
+    """One GPTQ INT4 expert, hidden 256, width 128 (scales as 2-byte floats)."""
+    h, i, g = 256, 128, 128
+    out = {}
+    for name, n_in, n_out in (("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)):
+        out[f"{prefix}.{name}.qweight"] = np.zeros((n_in // 8, n_out), np.int32)
+        out[f"{prefix}.{name}.scales"] = np.zeros((n_in // g, n_out), np.float16)
+        out[f"{prefix}.{name}.qzeros"] = np.zeros((n_in // g, n_out // 8), np.int32)
+        out[f"{prefix}.{name}.g_idx"] = np.zeros((n_in,), np.int32)
+    return out
+
+
+SMALL_EXPERT = 3 * (256 * 128 // 2 + 2 * 128 * 2)  # qweight + scales; qzeros, g_idx dropped
+
+
+def write_small_checkpoint(path: pathlib.Path) -> dict[str, int]:
+    """Two safetensors files and their index; returns the bytes the plan should count."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SMALL))
+    lm = "model.language_model"
+    files: list[dict[str, np.ndarray]] = [{}, {}]
+    want = {"layer1": 0, "ple0": 0, "ple2": 0}
+    for layer in range(4):
+        t = files[layer // 2]
+        for e in range(8):
+            t.update(_expert_tensors(f"{lm}.layers.{layer}.mlp.experts.{e}"))
+        t[f"{lm}.layers.{layer}.mlp.gate.weight"] = np.zeros((8, 256), np.float16)
+        t[f"{lm}.layers.{layer}.input_layernorm.weight"] = np.zeros((256,), np.float16)
+        if layer in (0, 2):  # ple_layer_ids 1 and 3: rows 101+103+107+109 -> 424 (0) etc.
+            rows = mp.ngram_table_rows(100, 4, layer // 2, 8)
+            t[f"{lm}.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"] = np.zeros(
+                (rows, 64), np.float16
+            )
+            want[f"ple{layer}"] = rows * 64 * 2
+    want["layer1"] = 8 * 256 * 2 + 256 * 2
+    files[0][f"{lm}.embed_tokens.weight"] = np.zeros((512, 256), np.float16)
+    files[1]["lm_head.weight"] = np.zeros((512, 256), np.float16)
+    files[1][f"{lm}.norm.weight"] = np.zeros((256,), np.float16)
+    files[1]["mtp.layers.0.mlp.experts.0.gate_proj.qweight"] = np.zeros((32, 128), np.int32)
+    index = {}
+    for k, t in enumerate(files):
+        name = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_file(t, str(path / name))
+        index.update(dict.fromkeys(t, name))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    return want
+
+
+def test_small_checkpoint_sizes_come_from_the_headers(tmp_path):
+    model = tmp_path / "small"
+    want = write_small_checkpoint(model)
+    shape = mp.load_shape(model / "config.json")
+    w = mp.header_weights(shape, mp.safetensors_files(model))
+    assert w.source == "safetensors headers (2 files)"
+    assert w.expert_bytes == SMALL_EXPERT
+    assert [p[mp.EXPERTS] for p in w.per_layer] == [8 * SMALL_EXPERT] * 4
+    assert [p[mp.PLE_TABLE] for p in w.per_layer] == [want["ple0"], 0, want["ple2"], 0]
+    assert want["ple0"] == (101 + 103 + 107 + 109 + 4) * 64 * 2  # 424 rows, padded to 8
+    assert w.per_layer[1][mp.LAYER] == want["layer1"]  # router gate + norm
+    assert w.outside[mp.EMBED] == w.outside[mp.LM_HEAD] == 512 * 256 * 2
+    assert w.outside[mp.MTP] == 32 * 128 * 4 and w.outside[mp.FINAL] == 256 * 2
+    # the config-only estimate sizes the same expert and the same tables
+    est = mp.estimate_weights(shape)
+    assert est.expert_bytes == SMALL_EXPERT
+    assert [p[mp.PLE_TABLE] for p in est.per_layer] == [p[mp.PLE_TABLE] for p in w.per_layer]
+
+
+def test_small_checkpoint_plan_over_two_cards(tmp_path):
+    model = tmp_path / "small"
+    want = write_small_checkpoint(model)
+    shape = mp.load_shape(model / "config.json")
+    w = mp.header_weights(shape, mp.safetensors_files(model))
+    s = serving(
+        usable_vram_bytes=3 * GiB,
+        max_model_len=4096,
+        kv_cache_memory_bytes=None,
+        host_gib_per_card=3 * SMALL_EXPERT / GiB,
+        ple_table="host",
+    )
+    plan = mp.make_plan(shape, w, s)
+    r0, r1 = plan.cards
+    assert r0.host_experts == r1.host_experts == 3 * SMALL_EXPERT
+    assert plan.host_ple_table == want["ple0"] + want["ple2"]
+    assert r0.ple_table == want["ple0"] and r1.ple_table == want["ple2"]
+    # one QSA layer per rank (layers 1 and 3), K+V 2 x 64 x 2 B = 512 B per token. The largest
+    # Mamba page here is the PLE state (1024 channels x 9 x 2 B = 18,432 B; GDN: 9,728 B), so
+    # the block is 48 tokens (16 x ceil(18,432 / 8,192)) and every page 48 x 512 = 24,576 B
+    assert r0.kv.qsa_kv == r1.kv.qsa_kv == 86 * 48 * 512  # 4096 tokens in 86 blocks
+    assert r0.kv.ple_state == r0.kv.gdn_state == 2 * 24_576  # one layer each, 2 pages
+    assert r0.kv_budget == 2 * r0.kv.one_request  # no --kv-cache-memory-bytes: 2 requests
+    assert plan.fits  # 1.96 GiB of allowance at chunk 2048 dominates a model this small
+    assert any("no --kv-cache-memory-bytes" in n for n in plan.notes)
+    assert not mp.make_plan(shape, w, serving(usable_vram_bytes=GiB)).fits
+
+
+def test_headers_only_no_tensor_data_is_read(tmp_path):
+    """A file whose header claims 4 GiB of experts but holds no data: sizes still come out."""
+    model = tmp_path / "hollow"
+    model.mkdir()
+    cfg = dict(SMALL, num_hidden_layers=1, layer_types=["full_attention"], ple_layer_ids=[])
+    (model / "config.json").write_text(json.dumps(cfg))
+    n = 4 * GiB
+    name = "model.language_model.layers.0.mlp.experts.0.gate_proj.qweight"
+    header = json.dumps({name: {"dtype": "I32", "shape": [n // 4], "data_offsets": [0, n]}})
+    (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    w = mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
+    assert w.per_layer[0][mp.EXPERTS] == n and w.expert_bytes == n
+
+
+def test_mixed_folders_and_bad_files_are_named(tmp_path):
+    model = tmp_path / "m"
+    write_small_checkpoint(model)
+    cfg = dict(SMALL, num_hidden_layers=2, layer_types=SMALL["layer_types"][:2])
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(mp.PlanError, match="mixes two models"):
+        mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
+    # with 2 MTP layers, layers 2 and 3 are MTP weights stored after the last layer
+    (model / "config.json").write_text(json.dumps(dict(cfg, mtp_num_hidden_layers=2)))
+    w = mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
+    assert w.outside[mp.MTP] > 2 * 8 * SMALL_EXPERT and len(w.per_layer) == 2
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"abc")
+    with pytest.raises(mp.PlanError, match="not a safetensors file"):
+        mp.read_header(bad)
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts/memory-plan"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_help_and_exit_codes(tmp_path):
+    r = run("--help")
+    assert r.returncode == 0 and "Exit codes" in r.stdout
+    r = run(str(tmp_path / "nothing"), "--max-model-len", "10")
+    assert r.returncode == 2 and "config.json" in r.stderr
+    r = run(str(TARGET), "--topology", "nope")
+    assert r.returncode == 2 and "unknown topology 'nope'" in r.stderr
+    # the SPEC's 2x32GB line with the upstream table in VRAM: printed, and exit 1
+    r = run(str(TARGET), "--topology", "2x32GB", "--ple-table", "gpu", "--host-gib-per-card", "3")
+    assert r.returncode == 1 and "estimated from config.json" in r.stdout
+    assert "| **VRAM** |" in r.stdout
+
+
+def test_cli_json_and_env_partition(tmp_path):
+    import os
+
+    env = dict(os.environ, VLLM_PP_LAYER_PARTITION="25,23")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/memory-plan"), str(TARGET / "config.json"),
+         "--pp-size", "2", "--vram-gib", "40", "--max-model-len", "4096", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    doc = json.loads(r.stdout)
+    assert [c["layers"] for c in doc["cards"]] == ["0-24", "25-47"]
+    assert doc["serving"]["ple_table"] == "gpu" and doc["fits"] is False  # 95 GiB in VRAM
+    assert r.returncode == 1
+
+
+@pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])
+def test_every_big_compose_file_fits_the_target(name):
+    """The compose files' settings start the target: every card fits, the KV holds one request
+    at --max-model-len (the tool reads the settings from compose/<name>.yml)."""
+    r = run(str(TARGET), "--topology", name, "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 0, r.stdout
+    assert doc["serving"]["ple_table"] == "host"
+    assert all(c["kv_fits"] and c["fits"] for c in doc["cards"])

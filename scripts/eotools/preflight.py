@@ -35,6 +35,7 @@ from .coldcheck import (
     ColdFileError,
     load_cold_file,
     model_mismatches,
+    name_mismatch,
     over_budget,
     parse_layer_list,
     plan_host_experts,
@@ -231,12 +232,12 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
         return [Result("cold-file", "skip", what)], None
     path = pathlib.Path(setup.cold_file)
     where = f"VLLM_EXPERT_COLD_FILE={path}"
-    if not path.is_file():
-        return [Result("cold-file", "fail", f"{where}: no such file", MAKE_COLD_SET)], None
     try:
         cold = load_cold_file(path)
     except ColdFileError as e:
-        return [Result("cold-file", "fail", f"{where}: {e}", MAKE_COLD_SET)], None
+        # a missing file needs the whole recipe; a broken one says what to change in it
+        fix = MAKE_COLD_SET if not path.exists() else e.fix
+        return [Result("cold-file", "fail", f"{where}: {e}", fix)], None
     if model is None:
         return [
             Result(
@@ -259,14 +260,22 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
     if over:
         return [Result("cold-file", "fail", f"{where}: {over}", fix)], cold
     n = sum(len(v) for v in cold["layers"].values())
-    return [
-        Result(
-            "cold-file",
-            "ok",
-            f"{path.name}: {n} host experts in {len(cold['layers'])} layers, fits "
-            f"{model.path.name} ({model.num_layers} layers x {model.num_experts} experts)",
-        )
-    ], cold
+    fits = (
+        f"{path.name}: {n} host experts in {len(cold['layers'])} layers, fits "
+        f"{model.path.name} ({model.num_layers} layers x {model.num_experts} experts)"
+    )
+    other_name = name_mismatch(cold, model)
+    if other_name:
+        # vLLM warns and uses it (cold/README.md): folders get renamed between machines
+        return [
+            Result(
+                "cold-file",
+                "warn",
+                f"{where}: {other_name}; its shape fits, so vLLM uses it ({fits})",
+                "check that it was counted on this checkpoint; if not, " + MAKE_COLD_SET,
+            )
+        ], cold
+    return [Result("cold-file", "ok", fits)], cold
 
 
 # --- host-memory: host experts against MemAvailable and the cgroup limit ----------------------

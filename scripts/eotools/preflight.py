@@ -33,6 +33,7 @@ from typing import Any
 from . import cuda_probe
 from .coldcheck import (
     ColdFileError,
+    human_bytes,
     load_cold_file,
     model_mismatches,
     name_mismatch,
@@ -315,7 +316,7 @@ def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]
             )
         )
     what = (
-        f"host experts need {need / GiB:.2f} GiB ({sum(plan.experts_per_rank)} experts x "
+        f"host experts need {human_bytes(need)} ({sum(plan.experts_per_rank)} experts x "
         f"{plan.bytes_per_expert} bytes, per rank {plan.experts_per_rank})"
     )
     if not rooms:

@@ -152,7 +152,7 @@ def _merge(runner) -> None:
 def _forward(config, runner, x):
     from vllm.forward_context import set_forward_context
 
-    with set_forward_context(None, config, num_tokens=x.shape[0]):
+    with torch.inference_mode(), set_forward_context(None, config, num_tokens=x.shape[0]):
         out = runner(x, x)  # Qwen3NextSparseMoeBlock: router_logits=hidden_states
     torch.cuda.synchronize()
     return out
@@ -208,7 +208,8 @@ def test_split_layer_with_shared_expert_equals_full_layer(
         # the shared expert ran once, on the layer's input
         assert len(shared.inputs) == 1, f"shared expert ran {len(shared.inputs)} times"
         assert torch.equal(shared.inputs[0], x)
-        shared_out = shared(x).float()
+        with torch.inference_mode():
+            shared_out = shared(x).float()
         shared.inputs.clear()
 
         scale = ref.abs().max().item()

@@ -51,6 +51,15 @@ def write_cold_file(
     provenance: dict[str, Any],
     budget: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Write a cold file; refuses one without any host expert, which vLLM refuses at
+    start-up (it would offload nothing)."""
+    if not any(layers.values()):
+        from .selection import SelectionError
+
+        raise SelectionError(
+            "no layer has a host expert (every budget is 0 or holds no expert): the cold "
+            "file would offload nothing; give a larger budget, or serve without a cold file"
+        )
     doc = {
         "format": FORMAT,
         "version": VERSION,

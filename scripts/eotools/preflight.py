@@ -33,8 +33,10 @@ from typing import Any
 from . import cuda_probe
 from .coldcheck import (
     ColdFileError,
+    human_bytes,
     load_cold_file,
     model_mismatches,
+    name_mismatch,
     over_budget,
     parse_layer_list,
     plan_host_experts,
@@ -231,12 +233,12 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
         return [Result("cold-file", "skip", what)], None
     path = pathlib.Path(setup.cold_file)
     where = f"VLLM_EXPERT_COLD_FILE={path}"
-    if not path.is_file():
-        return [Result("cold-file", "fail", f"{where}: no such file", MAKE_COLD_SET)], None
     try:
         cold = load_cold_file(path)
     except ColdFileError as e:
-        return [Result("cold-file", "fail", f"{where}: {e}", MAKE_COLD_SET)], None
+        # a missing file needs the whole recipe; a broken one says what to change in it
+        fix = MAKE_COLD_SET if not path.exists() else e.fix
+        return [Result("cold-file", "fail", f"{where}: {e}", fix)], None
     if model is None:
         return [
             Result(
@@ -259,14 +261,22 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
     if over:
         return [Result("cold-file", "fail", f"{where}: {over}", fix)], cold
     n = sum(len(v) for v in cold["layers"].values())
-    return [
-        Result(
-            "cold-file",
-            "ok",
-            f"{path.name}: {n} host experts in {len(cold['layers'])} layers, fits "
-            f"{model.path.name} ({model.num_layers} layers x {model.num_experts} experts)",
-        )
-    ], cold
+    fits = (
+        f"{path.name}: {n} host experts in {len(cold['layers'])} layers, fits "
+        f"{model.path.name} ({model.num_layers} layers x {model.num_experts} experts)"
+    )
+    other_name = name_mismatch(cold, model)
+    if other_name:
+        # vLLM warns and uses it (cold/README.md): folders get renamed between machines
+        return [
+            Result(
+                "cold-file",
+                "warn",
+                f"{where}: {other_name}; its shape fits, so vLLM uses it ({fits})",
+                "check that it was counted on this checkpoint; if not, " + MAKE_COLD_SET,
+            )
+        ], cold
+    return [Result("cold-file", "ok", fits)], cold
 
 
 # --- host-memory: host experts against MemAvailable and the cgroup limit ----------------------
@@ -306,7 +316,7 @@ def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]
             )
         )
     what = (
-        f"host experts need {need / GiB:.2f} GiB ({sum(plan.experts_per_rank)} experts x "
+        f"host experts need {human_bytes(need)} ({sum(plan.experts_per_rank)} experts x "
         f"{plan.bytes_per_expert} bytes, per rank {plan.experts_per_rank})"
     )
     if not rooms:

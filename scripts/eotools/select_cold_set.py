@@ -9,6 +9,7 @@ import json
 import pathlib
 import sys
 
+from .coldcheck import ColdFileError, load_cold_file
 from .coldset import model_identity, write_cold_file
 from .counts import CountsError, check_same_model, load_counts
 from .selection import (
@@ -86,10 +87,18 @@ def cmd_select(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    doc = json.loads(pathlib.Path(args.cold).read_text())
-    cold = {int(k): v for k, v in doc["layers"].items()}
+    doc = load_cold_file(pathlib.Path(args.cold))
+    cold = doc["layers"]
     sets = [load_counts(p) for p in args.counts]
     check_same_model(sets, doc["model"])
+    layers, experts = sets[0].prefill.shape
+    beyond = sorted(x for x in cold if x >= layers)
+    if beyond or doc["model"]["num_experts"] != experts:
+        what = f"layer(s) {beyond[:8]}" if beyond else f"{doc['model']['num_experts']} experts"
+        raise ColdFileError(
+            f"it lists {what}, but the counts cover {layers} layers x {experts} experts",
+            "evaluate it on counts of the model it was made for",
+        )
     print(
         f"{'data':<24} {'tokens':>8} {'host reads/token':>17} {'uniform random':>15} {'ratio':>6}"
     )
@@ -164,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         return args.run(args)
+    except ColdFileError as err:
+        print(f"error: {getattr(args, 'cold', '')}: {err}; {err.fix}", file=sys.stderr)
+        return 1
     except (CountsError, SelectionError, OSError, KeyError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .coldcheck import REMAKE, ColdFileError, load_cold_file
 from .swap_policy import SwapPolicy, simulate
 
 EPILOG = """Picks come from a recorded file (--picks: .npy or .npz array 'picks' of shape
@@ -76,11 +77,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=pathlib.Path, help="write every result here")
     args = ap.parse_args(argv)
 
-    cold_doc = json.loads(pathlib.Path(args.cold).read_text())
-    host = {int(k): v for k, v in cold_doc["layers"].items()}
-    layers, experts = cold_doc["model"]["num_layers"], cold_doc["model"]["num_experts"]
+    try:
+        cold_doc = load_cold_file(pathlib.Path(args.cold))
+    except ColdFileError as e:
+        print(f"error: {args.cold}: {e}; {e.fix}", file=sys.stderr)
+        return 1
+    host = cold_doc["layers"]
+    layers, experts = cold_doc["model"].get("num_layers"), cold_doc["model"]["num_experts"]
+    if layers is None and args.model:
+        from .coldset import model_identity
+
+        layers = model_identity(args.model)["num_layers"]
+    if layers is None:
+        print(
+            f"error: {args.cold}: its 'model' does not say 'num_layers'; add the model's "
+            "layer count there or give --model",
+            file=sys.stderr,
+        )
+        return 1
+    beyond = sorted(x for x in host if x >= layers)
+    if beyond:
+        print(
+            f"error: {args.cold}: it lists layer(s) {beyond[:8]}, but its model has {layers} "
+            f"layers (0-{layers - 1}); {REMAKE}",
+            file=sys.stderr,
+        )
+        return 1
     if args.picks:
-        arr = np.load(args.picks)
+        try:
+            arr = np.load(args.picks)
+        except (OSError, ValueError, EOFError) as e:
+            print(f"error: {args.picks}: not a .npy or .npz file ({e})", file=sys.stderr)
+            return 1
         recorded = None
         if isinstance(arr, np.lib.npyio.NpzFile):
             # the serving hook's trace names its rank's layers (VLLM_EXPERT_COUNT_TRACE_TOKENS)
@@ -92,9 +120,18 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             host = {i: host.get(x, []) for i, x in enumerate(recorded)}
             layers = len(recorded)
-        if arr.ndim != 3 or arr.shape[1] != layers:
+        if arr.ndim != 3 or arr.shape[1] != layers or arr.shape[0] == 0:
             print(
-                f"error: {args.picks}: picks must be (tokens, {layers} layers, top_k)",
+                f"error: {args.picks}: picks must be (tokens, {layers} layers, top_k) with at "
+                f"least one token, not {arr.shape}",
+                file=sys.stderr,
+            )
+            return 1
+        if arr.size and not (arr.min() >= 0 and arr.max() < experts):
+            print(
+                f"error: {args.picks}: expert ids {int(arr.min())}-{int(arr.max())} are not "
+                f"all in 0-{experts - 1} (the cold file's model has {experts} experts); "
+                "record the picks on the model the cold file was made for",
                 file=sys.stderr,
             )
             return 1

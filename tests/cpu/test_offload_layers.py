@@ -258,6 +258,7 @@ def planner_for(
     num_layers=8,
     arch="Qwen3MoeForCausalLM",
     model=None,
+    **facts,
 ):
     from vllm.model_executor.layers.fused_moe.expert_offload.config import OffloadSettings
     from vllm.model_executor.layers.fused_moe.expert_offload.planner import (
@@ -266,7 +267,7 @@ def planner_for(
     )
 
     path = cold_file(tmp_path, layers, **(model or {})) if layers is not None else None
-    facts = ModelFacts("/models/qwen-test", num_layers, architecture=arch)
+    facts = ModelFacts("/models/qwen-test", num_layers, architecture=arch, **facts)
     return OffloadPlanner(OffloadSettings(frozenset(host_layers), path), facts)
 
 
@@ -329,6 +330,137 @@ def test_broken_cold_files_are_refused(tmp_path):
     assert "no such file" in error_of(lambda: load_cold_file(str(tmp_path / "missing.json")))
 
 
+COLD_HEAD = '{"format": "vllm-expert-offload/cold-set", "version": 1, '
+MODEL = '"model": {"name": "unit", "num_experts": 16}'
+# (file text, words the one-line error must hold); each failed with a traceback or passed
+# silently before the loader checked it
+BAD_VALUES = {
+    "budget as a string": (
+        COLD_HEAD + MODEL + ', "budget": "3GiB", "layers": {"1": [2]}}',
+        "'budget' must be an object",
+    ),
+    "a stage budget as a string": (
+        COLD_HEAD
+        + MODEL
+        + ', "budget": {"pipeline_parallel_size": 1, "gib_per_stage": ["3GiB"]},'
+        + ' "layers": {"1": [2]}}',
+        "'gib_per_stage' must be a list of GiB per pipeline stage as numbers",
+    ),
+    "a budget per stage missing": (
+        COLD_HEAD
+        + MODEL
+        + ', "budget": {"pipeline_parallel_size": 2, "gib_per_stage": [3]},'
+        + ' "layers": {"1": [2]}}',
+        "has 1 values for pipeline_parallel_size 2",
+    ),
+    "a superscript digit as layer key": (
+        COLD_HEAD + MODEL + ', "layers": {"\u00b2": [2]}}',
+        "layer key '²' is not a layer number",
+    ),
+    "a zero-padded layer key": (
+        COLD_HEAD + MODEL + ', "layers": {"07": [2], "7": [3]}}',
+        "layer key '07' is not a layer number",
+    ),
+    "no layers": (COLD_HEAD + MODEL + ', "layers": {}}', "lists no host expert"),
+    "only empty layers": (COLD_HEAD + MODEL + ', "layers": {"1": []}}', "lists no host expert"),
+    "an empty file": ("", "the file is empty"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_VALUES))
+def test_cold_file_values_of_the_wrong_kind_are_refused_in_one_line(tmp_path, case):
+    from vllm.model_executor.layers.fused_moe.expert_offload.cold_file import load_cold_file
+
+    text, words = BAD_VALUES[case]
+    path = tmp_path / "cold.json"
+    path.write_text(text)
+    msg = error_of(lambda: load_cold_file(str(path)))
+    assert words in msg and "\n" not in msg
+    assert msg.startswith(f"VLLM_EXPERT_COLD_FILE={path}: ")
+    assert "select-cold-set" in msg
+
+
+def test_a_directory_as_cold_file_is_called_a_directory(tmp_path):
+    from vllm.model_executor.layers.fused_moe.expert_offload.cold_file import load_cold_file
+
+    msg = error_of(lambda: load_cold_file(str(tmp_path)))
+    assert "is a directory, not a cold file" in msg and "no such file" not in msg
+    assert "not its folder" in msg
+
+
+def test_a_cold_file_naming_the_mtp_layer_is_refused(tmp_path):
+    """Qwen4Exp's MTP MoE layer is mtp.layers.{num_hidden_layers}.mlp.experts: it has a
+    layer number, the factory builds it, and it is never offloaded."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.expert_offload.planner import mtp_layer_count
+
+    # ModelFacts.current() counts them from the config: Qwen4Exp's code adds one by default
+    assert mtp_layer_count("Qwen4ExpForCausalLM", SimpleNamespace()) == 1
+    assert mtp_layer_count("Qwen4ExpForCausalLM", SimpleNamespace(mtp_num_hidden_layers=2)) == 2
+    assert mtp_layer_count("Qwen3MoeForCausalLM", SimpleNamespace()) == 0
+    msg = error_of(
+        lambda: planner_for(tmp_path, {1: [2], 8: [1]}, arch="Qwen4ExpForCausalLM", mtp_layers=1)
+    )
+    assert "layer 8 is the model's MTP layer (mtp.layers.8.mlp.experts)" in msg
+    assert "remove layer(s) 8 from 'layers'" in msg
+    # a model with no MTP layers: the same file is one layer too many
+    msg = error_of(lambda: planner_for(tmp_path, {1: [2], 8: [1]}))
+    assert "MTP" not in msg and "layer(s) 8" in msg and "0-7" in msg
+
+
+def test_a_qwen3_moe_cold_file_for_a_qwen4exp_model_names_every_mismatch(tmp_path):
+    made_for = {"architecture": "Qwen3MoeForCausalLM", "num_layers": 8, "num_experts": E}
+    msg = error_of(
+        lambda: planner_for(
+            tmp_path,
+            {1: [2]},
+            num_layers=4,
+            arch="Qwen4ExpForCausalLM",
+            model=made_for,
+            num_experts=64,
+        )
+    )
+    assert "made for a Qwen3MoeForCausalLM model" in msg and "Qwen4ExpForCausalLM" in msg
+    assert "8 layers" in msg and "has 4" in msg
+    assert f"made for {E} experts per layer" in msg and "has 64" in msg
+    assert "use a cold file made for this model (scripts/select-cold-set)" in msg
+
+
+def test_model_facts_read_experts_and_mtp_layers_from_the_config(monkeypatch):
+    """What the start-up checks compare a cold file with, from a Qwen4Exp-like config."""
+    from types import SimpleNamespace
+
+    import vllm.config
+    from vllm.model_executor.layers.fused_moe.expert_offload.planner import ModelFacts
+
+    mc = SimpleNamespace(
+        model="/models/q4",
+        hf_config=SimpleNamespace(architectures=["Qwen4ExpForCausalLM"]),
+        hf_text_config=SimpleNamespace(num_hidden_layers=4, num_experts=64),
+    )
+    config = SimpleNamespace(model_config=mc)
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: config)
+    facts = ModelFacts.current()
+    assert (facts.num_layers, facts.num_experts, facts.mtp_layers) == (4, 64, 1)
+    assert facts.architecture == "Qwen4ExpForCausalLM"
+
+
+def test_a_cold_file_for_another_model_name_is_used_with_a_warning(tmp_path):
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())
+    log = logging.getLogger("vllm.model_executor.layers.fused_moe.expert_offload.planner")
+    log.addHandler(handler)
+    try:
+        planner_for(tmp_path, {1: [2]}, model={"name": "Other-Model"})
+        planner_for(tmp_path, {1: [2]}, model={"name": "/elsewhere/qwen-test"})
+    finally:
+        log.removeHandler(handler)
+    [warning] = records  # the same folder name elsewhere is the same model
+    assert "'Other-Model'" in warning and "/models/qwen-test" in warning
+
+
 def test_host_layers_that_do_not_exist_are_refused(tmp_path):
     from vllm.model_executor.layers.fused_moe.expert_offload.config import parse_layer_list
 
@@ -353,10 +485,12 @@ def test_host_budget_beyond_available_memory_is_refused(vllm_cpu, tmp_path, monk
 
 
 def test_cold_budget_smaller_than_the_bytes_is_refused(vllm_cpu, tmp_path):
-    budget = {"pipeline_parallel_size": 1, "gib_per_stage": [1e-9]}
+    budget = {"pipeline_parallel_size": 1, "gib_per_stage": [1e-5]}
     path = cold_file(tmp_path, {2: [1, 2, 3]}, budget=budget)
     msg = error_of(lambda: build(2, VLLM_EXPERT_COLD_FILE=path))
     assert "budget" in msg and "another model, quantisation or pipeline split" in msg
+    # 3 experts x 12 KiB against 1e-5 GiB, in units that show them (not "0.00 GiB")
+    assert "36.00 KiB on pipeline rank 0" in msg and "budget of 10.49 KiB per stage" in msg
 
 
 def test_unsupported_quantisation_is_refused(vllm_cpu, tmp_path, monkeypatch):

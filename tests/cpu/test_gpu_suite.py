@@ -20,7 +20,7 @@ def test_steps_logs_and_budget(repo_root, tmp_path):
         "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "EO_GPU_WORK": str(tmp_path / "work"),
     }
-    raw = repo_root / "bench/results/raw/2026-12-01-offload03-bench-a-h200"
+    raw = repo_root / "tests/cpu/data/h200-runs/offload-8l"
     model = tmp_path / "work/models/m8"
     steps = [
         "model:m8:--layers 8 --no-weights",

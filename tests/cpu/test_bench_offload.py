@@ -628,7 +628,8 @@ def test_rounds_keep_the_round_that_ran_another_path():
 def test_the_report_flags_an_unpatched_engine_far_from_the_others():
     """With --group, each unit has its own unpatched engine, all of one configuration. The
     report lists them, and warns about one that decodes more than 10% off their median
-    (one run of 2026-12-01: 457 against 594 and 594 tok/s), since every ratio of its unit moves with it."""
+    (one run of 2026-12-01: 457 against 594 and 594 tok/s), since every ratio of its unit
+    moves with it."""
     from eotools import bench_offload
 
     def row(variant, fresh, repeat):

@@ -78,14 +78,19 @@ run_part() {
       part profile "bench:${HOST10[*]} --host-layers 0,1 --configs unpatched,offload-03-swap --paired --profile --decode-tokens 256 --repeats 1 --host-read-us 55.5 --out OUT/profile.json"
       ;;
     serve) part serve 'serve:--attention-backend TRITON_ATTN --gpu-memory-utilization 0.1' ;;
-    *)
-      echo "error: unknown part '$1' (see the comment at the top of $0)" >&2
-      return 2
-      ;;
   esac
 }
 
 (($# > 0)) || set -- models tests decode memory host-read
+for p in "$@"; do
+  case $p in
+    models | tests | decode | sweep | memory | host-read | profile | serve) ;;
+    *)
+      echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
+      exit 2
+      ;;
+  esac
+done
 rc=0
 for p in "$@"; do
   [[ $p == models ]] || models || true

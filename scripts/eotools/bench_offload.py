@@ -782,7 +782,7 @@ def agreement(res: dict, base: dict | None, workload: str) -> dict:
 
 def _vram_bytes(mem: dict) -> int:
     """The engine process's VRAM where the driver reported it, else the device's used memory
-    (runs made before 2026-12-01's session e have only that)."""
+    (the earliest runs of 2026-12-01 have only that)."""
     return mem.get("process_vram_bytes") or mem["device_used_bytes"]
 
 
@@ -1050,10 +1050,10 @@ def reproduction(doc: dict, previous: dict) -> list[dict]:
 
 def baseline_offset(doc: dict, row: dict) -> float | None:
     """How far the unpatched engine that ``row``'s ratio divides by decoded from the median
-    of ``doc``'s unpatched engines (same workload), as a fraction: -0.23 for session h's
-    slow group-1 engine. Its speed is the row's median over its ratio, so rows of runs
-    made before rows named their baseline work too. None with fewer than two unpatched
-    engines to compare."""
+    of ``doc``'s unpatched engines (same workload), as a fraction: -0.23 for the slow
+    group-1 engine of one 2026-12-01 run. Its speed is the row's median over its ratio, so
+    rows of runs made before rows named their baseline work too. None with fewer than two
+    unpatched engines to compare."""
     ratio, mine = row.get("decode_vs_unpatched"), row.get("decode_tok_s")
     bases = [v[row["workload"]] for v in unpatched_speeds(doc).values() if row["workload"] in v]
     if not ratio or not mine or len(bases) < 2:
@@ -1165,8 +1165,8 @@ def unpatched_speeds(doc: dict) -> dict[str, dict[str, float]]:
 def baseline_lines(doc: dict) -> list[str]:
     """The run's unpatched engines side by side (with --group, one per unit). They run the
     same configuration, so they should agree; one that decodes well off the others' median
-    lifts (or lowers) every ratio of its unit by about as much. Session h: one of three
-    decoded 23% below the others for its whole life, and its unit's ratios could not be
+    lifts (or lowers) every ratio of its unit by about as much. In one run of 2026-12-01 one of
+    three decoded 23% below the others for its whole life, and its unit's ratios could not be
     reproduced."""
     by_label = unpatched_speeds(doc)
     if len(by_label) < 2:
@@ -1205,7 +1205,7 @@ def baseline_lines(doc: dict) -> list[str]:
 def request_lines(doc: dict) -> list[str]:
     """Every engine's per-request TPOT as mean +- standard error and range. Engines bound
     by the host's step loop vary from request to request far more than their three
-    per-repeat medians show (session i: one unpatched engine took 1.38-2.23 ms per token
+    per-repeat medians show (one unpatched engine of 2026-12-01 took 1.38-2.23 ms per token
     on the same prompts), so two configurations differ only where their means do by
     more than a few standard errors."""
     rows = [r for r in doc["runs"] if len(r.get("tpot_ms_by_request") or []) > 1]

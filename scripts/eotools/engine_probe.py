@@ -822,8 +822,8 @@ def pin_to_gpu_node() -> dict[str, Any]:
     """Run this engine on the CPUs of its GPU's NUMA node, before CUDA or vLLM start, so
     that every engine of a group has its threads and first-touched memory (pinned
     buffers included) on the same node. Engines that share a GPU and take turns otherwise
-    differ by where the scheduler first put them: session h's three unpatched engines of
-    one configuration decoded at 457, 594 and 594 tok/s. EO_PIN_CPUS=0 leaves it."""
+    differ by where the scheduler first put them: in one run three unpatched engines of one
+    configuration decoded at 457, 594 and 594 tok/s. EO_PIN_CPUS=0 leaves it."""
     before = sorted(os.sched_getaffinity(0))
     local = gpu_local_cpus()
     out: dict[str, Any] = {"cpus_before": before, "gpu_local_cpus": sorted(local or [])}

@@ -18,16 +18,17 @@ are held to the noise itself. Two kinds change the floating-point work by design
   disjoint experts each have fewer than the unsplit call;
 - offload-03 with runtime swap moves rows while it runs, so the kernel's blocks run in
   another order from step to step.
-Measured on an H200 (2026-12-01, `bench/results/2026-12-01-gpu-session-e-h200.md`), those
+Measured on an H200 (2026-12-01, `bench/results/2026-12-02-gpu-tests-h200.md`), those
 rounding differences flip a near-tied top-k pick now and then, and a flipped pick moves one
 token's logprob by 0.04-0.18: offload-02 decode max 0.061 and offload-03 with swap prompt max
 0.175 against unpatched maxima of 0.055 and 0.122, with means at or below the noise's
 (except offload-02 at prefill chunk 512: prompt mean 1.6x). A wrong expert row or scale
 changes greedy tokens and moves logprobs by whole units, far outside this tolerance.
 
-The reference build measured the same thing (SPEC section 6): logprob differences against no
+The reference build measured the same thing: logprob differences against no
 offload of 0.005-0.024, against 0.004-0.021 between two no-offload servers, a maximum 1.14x
-the noise's; here offload-02 and the swap's decode maxima are 1.11-1.12x (sessions b-f). The
+the noise's; here offload-02 and the swap's decode maxima are 1.11-1.12x (every H200 run
+of 2026-12-01 and 2026-12-02). The
 tolerance is the decision (2026-12-01) that the issues' "no larger than the unpatched noise"
 holds configurations that reorder sums by design to this bound, not to the noise itself: no
 two-call split can meet the noise exactly on 0.29.0's Marlin (above), and offload-03 without

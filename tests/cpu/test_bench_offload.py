@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-RAW = "bench/results/raw/2026-12-01-offload-bench-h200"
+RUNS = "tests/cpu/data/h200-runs"  # engine runs recorded on an H200 (2026-12-01)
+RAW = f"{RUNS}/offload-8l"
 
 
 def from_runs_cmd(repo_root, tmp, runs, out, *args, layers: int = 8) -> list[str]:
@@ -149,7 +150,7 @@ def test_the_offload03_suite_run_with_variants(repo_root, tmp_path):
         "offload-03-swap+churn,offload-02+count"
     )
     out = tmp_path / "b.json"
-    runs = repo_root / "bench/results/raw/2026-12-01-offload03-bench-b-h200"
+    runs = repo_root / RUNS / "offload03-variants-8l"
     cmd = from_runs_cmd(
         repo_root, tmp_path, runs, out, "--configs", specs, "--host-read-us", "55.7"
     )
@@ -175,7 +176,7 @@ def test_the_offload03_suite_run_with_variants(repo_root, tmp_path):
 def test_rounds_pair_each_configuration_with_the_unpatched_run_of_its_round(repo_root, tmp_path):
     """--rounds: ratios are taken within a round (against that round's unpatched run), and the
     report gives their median and range; every repeat of every round is kept."""
-    raw = repo_root / "bench/results/raw/2026-12-01-offload03-bench-b-h200"
+    raw = repo_root / RUNS / "offload03-variants-8l"
     runs = tmp_path / "runs"
     runs.mkdir()
     scale = {"unpatched": 0.8, "offload-02": 0.9}  # round 2: a slower machine, unevenly
@@ -284,7 +285,7 @@ def test_paired_runs_take_their_ratio_from_their_own_unpatched_engine(repo_root,
 def test_a_paired_run_with_gzip_compressed_results(repo_root, tmp_path):
     """The committed paired 16-layer run keeps its engine results gzip-compressed (over
     100 KB each); --from-runs reads them and takes each ratio within its pair."""
-    raw = repo_root / "bench/results/raw/2026-12-01-paired-16l-bench-h200"
+    raw = repo_root / RUNS / "paired-16l"
     assert list(raw.glob("bench-offload-03-swap-*.json.gz"))
     out = tmp_path / "paired.json"
     args = ["--paired", "--decide-ab", "--decode-tokens", "256", "--host-experts-per-layer"]
@@ -397,16 +398,16 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
 def test_per_repeat_ratios_and_a_reproduction_check_on_two_committed_runs(repo_root, tmp_path):
     """Each row carries its per-repeat ratios against its own unpatched engine and their
     range (the spread it reports); --compare-with sets each ratio beside an earlier run's
-    and says whether it lies within that run's range. Session d's and session f's paired
-    offload-03-swap runs (before and after the placement fix) do not agree."""
+    and says whether it lies within that run's range. The two paired offload-03-swap runs
+    recorded before and after the placement fix do not agree."""
     import gzip
 
     def raw_rates(folder, label, workload):
         [f] = (repo_root / folder).glob(f"{label}-[0-9a-f]*[0-9a-f].json.gz")
         return json.loads(gzip.decompress(f.read_bytes()))["tasks"][workload]["decode_tok_s"]
 
-    d_raw = "bench/results/raw/2026-12-01-paired-16l-bench-h200"
-    f_raw = "bench/results/raw/2026-12-01-gpu-session-f-h200/p2"
+    d_raw = f"{RUNS}/paired-16l"
+    f_raw = f"{RUNS}/paired-placement-fix-16l"
     common = ["--paired", "--decode-tokens", "256", "--host-experts-per-layer", "51"]
     earlier = tmp_path / "d.json"
     cmd = from_runs_cmd(
@@ -510,7 +511,7 @@ def test_a_profile_is_set_beside_its_own_rounds_unpatched_partner():
 
 
 def test_rows_whose_engine_ran_another_path_are_flagged():
-    """Session g's first group (five engines on one H200) merged only 11 of 16 layers of
+    """A first group of five engines on one H200 (2026-12-01) merged only 11 of 16 layers of
     its one-table engines: VRAM ran out while merging and the rest kept two tables. The
     report flags such rows instead of presenting them as offload-03's."""
     from eotools.bench_offload import markdown, path_warnings
@@ -572,7 +573,7 @@ def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
         {**row("offload-03-swap", 51, "fresh", 0.5, 0.098), "variant": "offload-03-swap+hold"},
     ]
     doc = {"gpu": "g", "model": {"host_experts_per_layer": 51}, "runs": runs}
-    recorded = {**runs[3], "host_experts_per_layer": 26}  # as runs record it since session g
+    recorded = {**runs[3], "host_experts_per_layer": 26}  # as runs record it now
     assert sweep_points({**doc, "runs": runs[:3] + [recorded] + runs[4:]}) == sweep_points(doc)
     points = sweep_points(doc)
     assert sorted(points) == [("cpu-offload-gb", "fresh"), ("offload-03-swap", "fresh")]
@@ -627,7 +628,8 @@ def test_rounds_keep_the_round_that_ran_another_path():
 def test_the_report_flags_an_unpatched_engine_far_from_the_others():
     """With --group, each unit has its own unpatched engine, all of one configuration. The
     report lists them, and warns about one that decodes more than 10% off their median
-    (session h: 457 against 594 and 594 tok/s), since every ratio of its unit moves with it."""
+    (one run of 2026-12-01: 457 against 594 and 594 tok/s), since every ratio of its unit
+    moves with it."""
     from eotools import bench_offload
 
     def row(variant, fresh, repeat):
@@ -658,7 +660,7 @@ def test_the_report_flags_an_unpatched_engine_far_from_the_others():
 def test_the_report_names_what_an_engine_holds_beside_its_weights():
     """From the probe's census of both engines: the extra bytes of a configuration over its
     unpatched engine, and the tensor groups it holds more of (issue 3's 72 MB that
-    offload-02 held in session h, which totals alone could not name)."""
+    offload-02 held on 2026-12-01, which totals alone could not name)."""
     from eotools import bench_offload
 
     kv = {"shape": [2, 4096, 16], "dtype": "bfloat16", "count": 16, "bytes": 4 << 30}
@@ -721,13 +723,14 @@ def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
     """Each reproduction row says how far the unpatched engine its ratio divides by sat
     from its run's median unpatched engine, in both runs, read from the committed tables
     (older rows do not name their baseline: its speed is the row's median over its ratio).
-    Session h's group 1 divided by an engine 23% below its run's median on fresh prompts;
-    session i's did not, and 4 of its 7 misses against session h are those rows."""
+    The earlier run's group 1 divided by an engine 23% below its run's median on fresh
+    prompts; the later run's did not, and 4 of its 7 misses against the earlier one are those
+    rows."""
     from eotools import bench_offload
 
-    results = repo_root / "bench/results"
-    h = json.loads((results / "2026-12-01-reference-c-16l-h200.json").read_text())
-    i = json.loads((results / "2026-12-01-reference-d-16l-h200.json").read_text())
+    runs = repo_root / RUNS
+    h = json.loads((runs / "suite-16l-earlier.json").read_text())
+    i = json.loads((runs / "suite-16l.json").read_text())
     rows = {(r["config"], r["workload"]): r for r in bench_offload.reproduction(i, h)}
     before, now = rows[("offload-02", "fresh")]["baseline_off"]
     assert before == pytest.approx(456.7 / 593.8 - 1, abs=2e-3)
@@ -751,13 +754,13 @@ def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
 
 def test_per_request_tpot_in_the_report(repo_root):
     """The report gives each engine's per-request TPOT as mean +- standard error and range:
-    session i's group-1 numbers, from its committed engine runs (the unpatched engine's
+    the suite's group-1 numbers, from its recorded engine runs (the unpatched engine's
     requests ranged 1.38-2.23 ms; --cpu-offload-gb's were steady)."""
     import gzip
 
     from eotools import bench_offload
 
-    raw = repo_root / "bench/results/raw/2026-12-01-gpu-session-i-h200/p2"
+    raw = repo_root / RUNS / "suite-16l"
 
     def row(config, label):
         [f] = raw.glob(f"{label}-[0-9a-f]*[0-9a-f].json*")
@@ -783,7 +786,7 @@ def test_per_request_tpot_in_the_report(repo_root):
 
 
 def test_vram_saved_against_the_host_bytes():
-    """Session j's unpatched and offload-02 engines (16 layers, 51 host experts per
+    """Unpatched and offload-02 engines recorded on an H200 (16 layers, 51 host experts per
     layer): the report sets the VRAM each saved against the bytes it placed on host, by
     the driver's count and by torch's, the expert weights' block slack and the free bytes
     stranded in partly used segments where the probe recorded them; one table's rows are
@@ -828,7 +831,7 @@ def test_vram_saved_against_the_host_bytes():
     assert "hold 2,000 B more than their tensors asked for (unpatched: 0 B)" in line
     assert "segments it cannot give back: 314,406,912 B (unpatched: 147,257,344 B)" in line
     assert "worst segment" not in line  # the probe named no live block
-    # session m's worst segment, with the weights that keep it alive named
+    # a recorded run's worst segment, with the weights that keep it alive named
     worst = {
         "segment_bytes": 20_971_520,
         "free_bytes": 18_350_080,

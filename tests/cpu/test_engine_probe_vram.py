@@ -66,7 +66,8 @@ def test_gpu_name_lists_each_model_once_and_is_unknown_without_the_tool(fake_smi
 
 def test_placement_counts_one_table_gpu_rows_that_sit_in_host_memory(monkeypatch):
     """A one-table layer whose VMM range for a tensor holds fewer VRAM rows than the layer's
-    GPU experts (the scales before session e's fix) is counted, so a GPU test can require 0."""
+    GPU experts (the scales, before the VRAM part was rounded up) is counted, so a GPU test
+    can require 0."""
     import types
 
     import torch
@@ -92,7 +93,7 @@ def test_placement_counts_one_table_gpu_rows_that_sit_in_host_memory(monkeypatch
 
 def test_placement_counts_uva_offload_by_parameter_and_by_layer(monkeypatch):
     """vLLM's --cpu-offload-gb offloads parameter by parameter and can stop inside a layer
-    (session f's run: layer 0 whole and layer 1's w13 only). Only the offloaded tensors
+    (an H200 run: layer 0 whole and layer 1's w13 only). Only the offloaded tensors
     count as host bytes, per layer, and the benchmark weights that layer's reads by its
     host share."""
     import torch
@@ -162,7 +163,7 @@ def test_census_names_tensors_beside_the_weights():
 
 def test_census_sees_tensors_after_vllm_freezes_the_collector():
     """vLLM's engine core calls gc.freeze() after start-up, and gc.get_objects() leaves out
-    frozen objects: session i's census found no tensor at all, the 4 GiB KV cache
+    frozen objects: a census on an H200 found no tensor at all, the 4 GiB KV cache
     included. The census unfreezes for its walk (holders included) and freezes again."""
     import gc
 
@@ -188,7 +189,7 @@ def test_census_sees_tensors_after_vllm_freezes_the_collector():
 
 def test_census_skips_tensors_without_a_data_pointer():
     """In an engine, the unfrozen walk also meets torch.compile's fake tensors, whose
-    storage has no data pointer (asking for it raises): session j's census stopped every
+    storage has no data pointer (asking for it raises): a census on an H200 stopped every
     engine there. Such tensors hold no memory of their own, and the census leaves them
     out. A wrapper subclass without storage (how fake tensors are built) stands in."""
     import torch

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ def test_steps_logs_and_budget(repo_root, tmp_path):
         "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "EO_GPU_WORK": str(tmp_path / "work"),
     }
-    raw = repo_root / "bench/results/raw/2026-12-01-offload03-bench-a-h200"
+    raw = repo_root / "tests/cpu/data/h200-runs/offload-8l"
     model = tmp_path / "work/models/m8"
     steps = [
         "model:m8:--layers 8 --no-weights",
@@ -41,3 +42,16 @@ def test_steps_logs_and_budget(repo_root, tmp_path):
     r = subprocess.run([*cmd, "model:m8:", "serve"], env=env, capture_output=True, text=True)
     assert r.returncode == 1
     assert "step 2 (serve) not run: no time left" in r.stdout
+
+
+def test_the_reference_script_names_its_parts_and_refuses_others(repo_root):
+    """bench/gpu-reference.sh: every part its header documents is one it runs, and an
+    unknown part stops it before anything starts (no models made, exit 2)."""
+    script = repo_root / "bench/gpu-reference.sh"
+    text = script.read_text()
+    header = text.split("set -u", 1)[0]
+    documented = re.findall(r"^#   ([a-z-]+) ", header, flags=re.M)
+    accepted = re.search(r"\n    (models \|[^)]*)\) ;;", text).group(1).split(" | ")
+    assert documented == accepted
+    r = subprocess.run([str(script), "decode", "nonsense"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown part 'nonsense'" in r.stderr

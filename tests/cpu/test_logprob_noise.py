@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The GPU correctness tests' verdict (eotools.logprob_noise), on small hand-made runs and on
-the engine runs the H200 produced on 2026-12-01 (committed under bench/results/raw/): the
+the engine runs an H200 produced on 2026-12-01 (kept in tests/cpu/data/h200-runs/): the
 configurations that keep the unpatched order of sums pass at the noise itself, the two that
 reorder sums exceed it and pass within the stated tolerance, and a small fault fails.
 
@@ -16,9 +16,9 @@ import pytest
 from eotools import logprob_noise as lp
 from eotools.bench_offload import _from_runs
 
-RAW = pathlib.Path(__file__).resolve().parents[2] / "bench/results/raw"
-NOISE_RUNS = RAW / "2026-12-01-int4-8l-unpatched-noise-h200"
-SESSION_E = RAW / "2026-12-01-gpu-session-e-h200/runs"
+RUNS = pathlib.Path(__file__).resolve().parent / "data/h200-runs"
+NOISE_RUNS = RUNS / "int4-8l-unpatched-noise"
+OFFLOAD_RUNS = RUNS / "int4-8l-offload"
 
 
 def _run(token_ids, logprobs, prompt_logprobs) -> dict:
@@ -69,7 +69,7 @@ def _load(folder: pathlib.Path, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def h200():
-    """The five unpatched INT4 runs (session d) and session e's offload runs, as the GPU test
+    """The five unpatched INT4 runs and the offload runs of the same day, as the GPU test
     pairs them."""
     u = {
         n: _load(NOISE_RUNS, f"int4-unpatched-{n}")
@@ -101,7 +101,7 @@ def test_h200_runs_pass_at_the_noise_or_within_the_tolerance_when_sums_reorder(
     h200, name, unpatched, reorders
 ):
     u, noise = h200
-    d = lp.diff_runs(_load(SESSION_E, name), u[unpatched])
+    d = lp.diff_runs(_load(OFFLOAD_RUNS, name), u[unpatched])
     assert d["tokens_identical"]
     if not reorders:
         assert lp.failures(d, noise) == []
@@ -117,7 +117,7 @@ def test_a_small_fault_in_a_few_tokens_fails_even_with_the_tolerance(h200):
     """One wrong expert row in one layer, for a few tokens, moves their logprobs by tenths,
     not by whole units: 0.3 on five decode tokens is past twice the noise's maximum."""
     u, noise = h200
-    run = copy.deepcopy(_load(SESSION_E, "int4-onetable-swap-every-step-2048"))
+    run = copy.deepcopy(_load(OFFLOAD_RUNS, "int4-onetable-swap-every-step-2048"))
     lps = run["tasks"]["c1"]["outputs"][0]["logprobs"]
     for i in range(5, 10):
         lps[i] -= 0.3

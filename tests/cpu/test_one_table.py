@@ -188,7 +188,7 @@ def test_gpu_rows_within_keeps_one_tables_vram_within_offload_02s():
     bytes in host memory; the layer then gives up its last GPU rows until its VRAM is no
     more than the GPU rows' own bytes (what offload-02's table holds). The reference
     geometry (INT4 Marlin, 512 experts, w13/w2 weights and scales): 2 of 461 GPU
-    experts at 10% host, where the rounding took 5.8 MiB per layer (session h: 108 MB
+    experts at 10% host, where the rounding took 5.8 MiB per layer (on an H200: 108 MB
     over 16 layers)."""
     from vllm.model_executor.layers.fused_moe.expert_offload import one_table
 

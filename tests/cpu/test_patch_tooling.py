@@ -2,7 +2,7 @@
 """The patch-series tooling: scripts/vllm-tree, scripts/export-patches, scripts/apply-patches.sh.
 
 The scripts run for real, as subprocesses: vllm-tree builds the pinned vLLM tree once per
-session from the cached wheel, a small three-patch series is committed on top of a copy of it
+test run from the cached wheel, a small three-patch series is committed on top of a copy of it
 and exported, and that series is applied to copies of the tree, as a git checkout and as a
 site-packages directory, in every state the tools must recognise.
 """

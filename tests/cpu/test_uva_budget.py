@@ -59,15 +59,15 @@ def test_boundaries_follow_vllms_parameter_order(tmp_path):
 
 
 def test_the_budget_stops_vllm_at_the_boundary_nearest_the_bytes(tmp_path):
-    """Session h's sweep: only the 20% point changes. It asked for 4.21 GB and vLLM stopped
-    at 4.80 GB (3 layers and a w13), 17% over the target; the nearest stop is 0.31 GB
-    under it (2 layers and layer 2's w13 and w2). The budget sits half a parameter before
-    its stop, so that the checkpoint's approximation of the small tensors (5 MB per layer
-    short for GPTQ: 80 MB by layer 16) cannot move it to another stop."""
+    """A sweep of 2026-12-01 on an H200: only the 20% point changes. It asked for 4.21 GB
+    and vLLM stopped at 4.80 GB (3 layers and a w13), 17% over the target; the nearest stop
+    is 0.31 GB under it (2 layers and layer 2's w13 and w2). The budget sits half a
+    parameter before its stop, so that the checkpoint's approximation of the small tensors
+    (5 MB per layer short for GPTQ: 80 MB by layer 16) cannot move it to another stop."""
     _header_only_checkpoint(tmp_path)
     bounds = offload_boundaries(tmp_path, 16, 512)
     w13, w2 = 838_860_800, 419_430_400
-    cases = {  # target bytes (session h) -> where vLLM should stop
+    cases = {  # target bytes (that sweep) -> where vLLM should stop
         4_205_051_904: 2 * LAYER + w13 + w2,  # 20%: was 3 * LAYER + w13
         2_083_737_600: LAYER + w13,  # 10%, as before
         8_451_379_200: 6 * LAYER + w13,  # 40%, as before

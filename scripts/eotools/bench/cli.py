@@ -238,7 +238,7 @@ def _raw(rec: dict, req, rep: int, stream: int, origin: float) -> dict:
     }
 
 
-async def _run_repeat(session, url, body_of, reqs, streams, bar, rep, origin) -> list[dict]:
+async def _run_repeat(http, url, body_of, reqs, streams, bar, rep, origin) -> list[dict]:
     queue: asyncio.Queue = asyncio.Queue()
     for i, r in enumerate(reqs):
         queue.put_nowait((i, r))
@@ -247,7 +247,7 @@ async def _run_repeat(session, url, body_of, reqs, streams, bar, rep, origin) ->
     async def worker(slot: int) -> None:
         while not queue.empty():
             i, req = queue.get_nowait()
-            rec = await client.stream_completion(session, url, body_of(req), body_of.count_via)
+            rec = await client.stream_completion(http, url, body_of(req), body_of.count_via)
             out[i] = _raw(rec, req, rep, slot, origin)
             bar.update(1)
 
@@ -299,10 +299,10 @@ async def _suite(args, source: PromptSource, model: str, startup_s: float | None
     runs = []
     origin = time.perf_counter()
     connector = aiohttp.TCPConnector(limit=max(args.concurrency) + 1)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         first = next(iter(source.by_domain.values()))[0].payload()
         if args.count_via == "auto":
-            count_via = await client.probe_count_mode(session, args.url, model, first)
+            count_via = await client.probe_count_mode(http, args.url, model, first)
         else:
             count_via = args.count_via
         body_of = _Body(model, args.seed, count_via)
@@ -313,7 +313,7 @@ async def _suite(args, source: PromptSource, model: str, startup_s: float | None
                     bar.set_postfix_str(f"{w} x{c} {'warm-up' if rep == 0 else f'repeat {rep}'}")
                     before = scrape() if rep else None
                     recs = await _run_repeat(
-                        session, args.url, body_of, reqs(w, c, rep), c, bar, rep, origin
+                        http, args.url, body_of, reqs(w, c, rep), c, bar, rep, origin
                     )
                     records += recs
                     after = scrape() if rep else None

@@ -69,7 +69,7 @@ def chunk_tokens(choice: dict, count_via: str) -> tuple[int | None, list[int] | 
 
 
 async def stream_completion(
-    session: aiohttp.ClientSession, base_url: str, body: dict, count_via: str
+    http: aiohttp.ClientSession, base_url: str, body: dict, count_via: str
 ) -> dict:
     """Send one streaming request; the raw record of what arrived when (perf_counter seconds).
 
@@ -89,7 +89,7 @@ async def stream_completion(
     }
     rec["t0"] = time.perf_counter()
     try:
-        async with session.post(base_url.rstrip("/") + "/v1/completions", json=body) as resp:
+        async with http.post(base_url.rstrip("/") + "/v1/completions", json=body) as resp:
             if resp.status != 200:
                 text = await resp.text()
                 rec["error"] = f"HTTP {resp.status}: {text[:300]}"
@@ -134,14 +134,14 @@ async def stream_completion(
 
 
 async def probe_count_mode(
-    session: aiohttp.ClientSession, base_url: str, model: str, prompt: str | list[int]
+    http: aiohttp.ClientSession, base_url: str, model: str, prompt: str | list[int]
 ) -> str:
     """Which way this server lets us count tokens: token_ids if its chunks carry them, else
     logprobs; RequestFailed if neither works."""
     errors = []
     for mode in COUNT_MODES:
         rec = await stream_completion(
-            session, base_url, completion_body(model, prompt, 4, 0, mode), mode
+            http, base_url, completion_body(model, prompt, 4, 0, mode), mode
         )
         if rec["error"] is None:
             return mode

@@ -5,7 +5,7 @@ vLLM's UVA offloader (0.29.0, `model_executor/offloader/uva.py`) walks the param
 in model order, first layers first. It offloads whole parameters while the bytes
 offloaded so far are below the budget. So it stops at the first parameter boundary at or
 above the budget, up to one parameter past it: with the reference geometry an INT4
-layer's w13 is 0.84 GB. In session h, the 20% point asked for 4.21 GB and got 4.76 GB,
+layer's w13 is 0.84 GB. In one sweep of 2026-12-01 the 20% point asked for 4.21 GB and got 4.76 GB,
 17% more host bytes than the swap it was compared with. A budget inside the parameter
 that ends at the boundary nearest the target stops it there instead.
 

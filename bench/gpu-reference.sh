@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Reproduce the reference results of bench/results/ on one GPU host, through scripts/gpu-suite.
+#
+#   bench/gpu-reference.sh [PART...]      (default: models tests decode memory host-read)
+#
+# PART is one of
+#   models     the synthetic test models (INT4 8 and 16 layers, BF16 2 layers); every other
+#              part makes them first if they are missing, so start this one early (while the
+#              vLLM install finishes) to save time later
+#   tests      every GPU test (tests/gpu), correctness and kernels
+#   decode     five engines side by side at 10% host on the 16-layer model: unpatched,
+#              offload-02, offload-03, offload-03-swap, --cpu-offload-gb
+#   sweep      the whole suite: decode's group, offload-01, and offload-03-swap against
+#              --cpu-offload-gb at 5, 20 and 40% host
+#   memory     unpatched and offload-02 side by side: VRAM saved, host memory
+#   host-read  the cost of one host-resident expert read, by path
+#   profile    offload-03-swap beside its unpatched engine, each profiled alone
+#   serve      compose/tiny.yml's service without a container engine, with a short benchmark
+#
+# Results go to R (default /tmp/eo-out), one folder per part with its logs, summary.txt, the
+# report (JSON, Markdown, plots) and the engine runs packed as runs.tgz; R/PART.done marks a
+# finished part. Timings are only comparable within one part's run: run each alone on the GPU.
+# Environment: EO_VLLM_SITE (default /tmp/site) holds the pinned vLLM; everything else as for
+# scripts/test-gpu. EO_BUDGET_S caps each part (default 1500 s). See docs/benchmarks.md.
+set -u
+cd "$(dirname "$0")/.."
+R=${R:-/tmp/eo-out}
+budget=${EO_BUDGET_S:-1500}
+mkdir -p "$R"
+export EO_VLLM_SITE=${EO_VLLM_SITE:-/tmp/site} PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-$EO_VLLM_SITE}
+# every request is greedy; FlashInfer's top-k/top-p sampler warm-up only costs start-up time
+export VLLM_USE_FLASHINFER_SAMPLER=0
+M=${EO_GPU_WORK:-/tmp/eo-gpu}/models
+T=tests/gpu/test_offload_correctness.py
+# the 16-layer model at about 10% of routed experts on host
+HOST10=(--model "$M/target-int4-16l" --host-experts-per-layer 51)
+RUN=(--decode-tokens 128 --repeats 3 --host-read-us 55.5)
+
+# the models, then the patched copy of vLLM (made once, before any engine needs it)
+models() {
+  if [[ ! -f $M/target-int4-16l/.complete || ! -f $M/target-bf16-2l/.complete ]]; then
+    scripts/gpu-suite --budget-s 300 --out "$R/models" 'model:target-int4-8l:--layers 8' \
+      'model:target-int4-16l:--layers 16' 'model:target-bf16-2l:--layers 2 --quant bf16' ||
+      return 1
+  fi
+  scripts/test-gpu --collect-only -q tests/gpu/test_smoke.py > "$R/patch.log" 2>&1
+}
+
+part() {
+  local name=$1
+  shift
+  scripts/gpu-suite --budget-s "$budget" --out "$R/$name" "$@"
+  local rc=$?
+  date -u +%FT%TZ > "$R/$name.done"
+  return $rc
+}
+
+run_part() {
+  case $1 in
+    models) models ;;
+    tests) part tests "tests:tests/gpu -rA -s" ;;
+    decode)
+      part decode "bench:${HOST10[*]} --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb --group 4 ${RUN[*]} --out OUT/decode.json"
+      ;;
+    sweep)
+      part sweep "bench:${HOST10[*]} --host-layers 0,1 --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb,offload-03-swap:205,cpu-offload-gb:205,offload-01,offload-03-swap:26,cpu-offload-gb:26,offload-03-swap:102,cpu-offload-gb:102 --group 4 ${RUN[*]} --out OUT/sweep.json"
+      ;;
+    memory)
+      part memory "bench:${HOST10[*]} --configs unpatched,offload-02 --group 4 ${RUN[*]} --out OUT/vram.json"
+      ;;
+    host-read)
+      mkdir -p "$R/host-read"
+      PYTHONPATH=scripts:${EO_VLLM_PATCHED:-/tmp/vllm-patched}:$EO_VLLM_SITE timeout 300 \
+        python3 scripts/bench-host-read --out "$R/host-read/host_read.json" > "$R/host-read/host_read.log" 2>&1
+      ;;
+    profile)
+      part profile "bench:${HOST10[*]} --host-layers 0,1 --configs unpatched,offload-03-swap --paired --profile --decode-tokens 256 --repeats 1 --host-read-us 55.5 --out OUT/profile.json"
+      ;;
+    serve) part serve 'serve:--attention-backend TRITON_ATTN --gpu-memory-utilization 0.1' ;;
+  esac
+}
+
+(($# > 0)) || set -- models tests decode memory host-read
+for p in "$@"; do
+  case $p in
+    models | tests | decode | sweep | memory | host-read | profile | serve) ;;
+    *)
+      echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
+      exit 2
+      ;;
+  esac
+done
+rc=0
+for p in "$@"; do
+  [[ $p == models ]] || models || true
+  run_part "$p" || rc=1
+done
+exit $rc

@@ -106,6 +106,51 @@ def same_values(model, model_dir: pathlib.Path) -> dict[str, bool]:
     return out
 
 
+NOT_STORED = ("_bias", "_g_idx_sort_indices")  # GPTQ: no biases; the act-order sort is built
+
+
+def load_mtp(vc, model_dir: pathlib.Path) -> dict:
+    """Build vLLM's drafter (Qwen4ExpMTP, as `--speculative-config '{"method": "mtp"}'`
+    would) and load the checkpoint into it: every MTP parameter must come from `mtp.*` (or
+    the shared embedding and head)."""
+    import dataclasses
+
+    import torch
+    from vllm.config import ParallelConfig, SpeculativeConfig, set_current_vllm_config
+    from vllm.models.qwen4_exp.nvidia.mtp import Qwen4ExpMTP
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    spec = SpeculativeConfig(
+        method="mtp",
+        num_speculative_tokens=1,
+        target_model_config=vc.model_config,
+        target_parallel_config=ParallelConfig(),
+    )
+    draft = dataclasses.replace(vc, model_config=spec.draft_model_config, speculative_config=spec)
+    with (
+        set_current_vllm_config(draft),
+        set_default_torch_dtype(torch.bfloat16),
+        torch.device("cpu"),
+    ):
+        mtp = Qwen4ExpMTP(vllm_config=draft, prefix="")
+    params = {n for n, _ in mtp.named_parameters()}
+    loaded = {
+        n.replace(".mlp.experts.", ".mlp.experts.routed_experts.")
+        for n in mtp.load_weights(checkpoint_tensors(model_dir))
+    }
+    moe = [
+        m.layer_name
+        for m in mtp.modules()
+        if hasattr(m, "layer_name") and "experts" in m.layer_name
+    ]
+    return {
+        "mtp_architecture": spec.draft_model_config.architectures[0],
+        "mtp_params": len(params),
+        "mtp_missing": sorted(n for n in params - loaded if not n.endswith(NOT_STORED)),
+        "mtp_moe_layers": sorted(set(moe)),
+    }
+
+
 def main(model_dir: pathlib.Path) -> dict:
     _cpu_stand_ins()
     import torch
@@ -158,15 +203,13 @@ def main(model_dir: pathlib.Path) -> dict:
                 n.replace(".mlp.experts.", ".mlp.experts.routed_experts.")
                 for n in model.load_weights(tensors())
             }
-            # not in a GPTQ checkpoint: biases (none) and the act-order sort (built later)
-            not_stored = ("_bias", "_g_idx_sort_indices")
             experts = model.model.layers[0].mlp.experts.routed_experts
             result.update(
                 model_class=type(model).__name__,
                 checkpoint_tensors=len(seen),
                 mtp_tensors=sum(n.startswith("mtp.") for n in seen),
                 params=len(params),
-                missing=sorted(n for n in params - loaded if not n.endswith(not_stored)),
+                missing=sorted(n for n in params - loaded if not n.endswith(NOT_STORED)),
                 same_values=same_values(model, model_dir),
                 moe_method=type(experts.quant_method).__name__,
                 expert_params=sorted(n.rsplit(".", 1)[-1] for n, _ in experts.named_parameters()),
@@ -178,6 +221,8 @@ def main(model_dir: pathlib.Path) -> dict:
                 ],
                 shared_expert=type(model.model.layers[0].mlp.shared_expert).__name__,
             )
+            del model
+            result.update(load_mtp(vc, model_dir))
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()

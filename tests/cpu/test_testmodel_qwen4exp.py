@@ -210,11 +210,15 @@ def test_vllm_builds_and_loads_the_int4_checkpoint(q4_int4, repo_root):
     assert r["ple_layers"] == [1, 4]
     assert r["layer_kinds"] == ["qsa", "gdn", "gdn"] * 2
     assert r["shared_expert"] == "Qwen2MoeMLP"
-    assert r["mtp_tensors"] > 0  # present in the checkpoint, dropped by the target model
+    assert r["mtp_tensors"] > 0  # in the checkpoint; the target model drops them
+    # the drafter (--speculative-config method mtp) loads every one of its parameters, and
+    # its MoE layer is numbered after the model's: never a cold-file layer
+    assert r["mtp_architecture"] == "Qwen4ExpMTP" and r["mtp_missing"] == []
+    assert r["mtp_moe_layers"] == [f"mtp.layers.{TINY.geometry.num_layers}.mlp.experts"]
 
 
 def test_vllm_builds_and_loads_the_bf16_checkpoint(q4_bf16, repo_root):
     r = vllm_load(q4_bf16, repo_root)
     assert r["quantization"] is None and r["moe_method"] == "UnquantizedFusedMoEMethod"
-    assert r["missing"] == []
+    assert r["missing"] == [] and r["mtp_missing"] == []
     assert all(r["same_values"].values())

@@ -229,5 +229,26 @@ def main(model_dir: pathlib.Path) -> dict:
     return result
 
 
+def config_only(model_dir: pathlib.Path) -> dict:
+    """vLLM's config of the model (what `vllm serve` resolves before building anything)."""
+    _cpu_stand_ins()
+    from vllm.config import DeviceConfig, ModelConfig, VllmConfig
+
+    mc = ModelConfig(model=str(model_dir), dtype="bfloat16")
+    VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"))
+    text = mc.hf_text_config
+    return {
+        "architecture": mc.architectures[0],
+        "text_config": type(text).__name__,
+        "num_layers": text.num_hidden_layers,
+        "ple_layer_ids": list(text.ple_layer_ids),
+        "layers_block_type": text.layers_block_type,
+        "quantization": mc.quantization,
+    }
+
+
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(pathlib.Path(sys.argv[1]))))
+    if sys.argv[2:] == ["--config-only"]:
+        print("RESULT " + json.dumps(config_only(pathlib.Path(sys.argv[1]))))
+    else:
+        print("RESULT " + json.dumps(main(pathlib.Path(sys.argv[1]))))

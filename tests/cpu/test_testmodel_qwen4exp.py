@@ -47,7 +47,7 @@ def q4_bf16(tmp_path_factory, repo_root):
     return make(tmp_path_factory, repo_root, "bf16", "--experts", "64", "--top-k", "4")
 
 
-def vllm_load(model: pathlib.Path, repo_root: pathlib.Path) -> dict:
+def vllm_load(model: pathlib.Path, repo_root: pathlib.Path, *args: str) -> dict:
     env = {
         **os.environ,
         "VLLM_TARGET_DEVICE": "cpu",
@@ -55,7 +55,7 @@ def vllm_load(model: pathlib.Path, repo_root: pathlib.Path) -> dict:
         "PYTHONPATH": os.pathsep.join([str(repo_root / "scripts"), str(HERE)]),
     }
     r = subprocess.run(
-        [sys.executable, str(HERE / "qwen4exp_load.py"), str(model)],
+        [sys.executable, str(HERE / "qwen4exp_load.py"), str(model), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -222,3 +222,25 @@ def test_vllm_builds_and_loads_the_bf16_checkpoint(q4_bf16, repo_root):
     assert r["quantization"] is None and r["moe_method"] == "UnquantizedFusedMoEMethod"
     assert r["missing"] == [] and r["mtp_missing"] == []
     assert all(r["same_values"].values())
+
+
+def test_vllm_accepts_the_target_stage_config(tmp_path, repo_root):
+    """The target-stage preset (24 layers, hidden 2560, 512 experts top-10, width 640) as
+    vLLM's config resolves it; its 30 GB of weights are not written here."""
+    out = tmp_path / "target-stage"
+    cmd = [sys.executable, str(repo_root / "scripts/make-test-model"), str(out)]
+    cmd += ["--arch", "qwen4_exp", "--no-weights", "--prompts", "1"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["hidden_size"], text["num_experts"], text["num_experts_per_tok"]) == (
+        2560,
+        512,
+        10,
+    )
+    assert text["moe_intermediate_size"] == 640 and text["num_hidden_layers"] == 24
+    r = vllm_load(out, repo_root, "--config-only")
+    assert r["architecture"] == "Qwen4ExpForCausalLM" and r["num_layers"] == 24
+    assert r["ple_layer_ids"] == [2, 14]  # layers 1 and 13: one per 12-layer PP stage
+    kinds = r["layers_block_type"]
+    assert kinds.count("attention") == 6 and kinds.count("linear_attention") == 18
+    assert r["quantization"] == "auto_gptq"

@@ -66,8 +66,8 @@ conversation locality. --report prints the simulated reference statistics."""
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="make-test-model",
-        description="Write a synthetic Qwen3-MoE checkpoint (Hugging Face format) that vLLM "
-        "loads: INT4 GPTQ experts (Marlin MoE path) or BF16 (Triton MoE path), a local "
+        description="Write a synthetic Qwen3-MoE or Qwen4Exp checkpoint (Hugging Face format) "
+        "that vLLM loads: INT4 GPTQ experts (Marlin MoE path) or BF16 (Triton MoE path), a local "
         "tokenizer, and prompt data sets per domain.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -85,7 +85,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="qwen3_moe: target (default), tiny; qwen4_exp: target-stage (default), tiny",
     )
     ap.add_argument("--quant", choices=("int4", "bf16"), default="int4")
-    ap.add_argument("--layers", type=int, help="number of layers (preset: target 8, tiny 4)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        help="number of layers (presets: target 8, tiny 4; qwen4_exp target-stage 24, tiny 6)",
+    )
     ap.add_argument("--hidden-size", type=int)
     ap.add_argument("--experts", type=int, help="routed experts per layer (default 512)")
     ap.add_argument("--top-k", type=int, help="experts per token (default 10)")

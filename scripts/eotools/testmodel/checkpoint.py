@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import save_file
 
-from . import data, tokenizer
+from . import data, qwen4exp, tokenizer
 from .plant import EOS_ID, Plan
 from .weights import GROUP, TensorFactory, to_checkpoint_dtype
 
@@ -97,13 +97,23 @@ def write(
     report: dict | None = None,
     progress: Callable[[int, str], None] | None = None,
     weights: bool = True,
+    shape: qwen4exp.Qwen4ExpShape | None = None,
 ) -> None:
     """Write the whole model directory. `progress(done, what)` is called after each shard.
     Without `weights`, everything but the safetensors shards (enough for tools that only need
-    the tokenizer, the data sets or the planted routing)."""
+    the tokenizer, the data sets or the planted routing). A qwen4_exp geometry needs `shape`
+    (its layer mix, hyper-connections, PLE, QSA and Gated DeltaNet sizes)."""
     out.mkdir(parents=True, exist_ok=True)
-    factory = TensorFactory(plan, quant, device)
-    n_shards = plan.geometry.num_layers + 1
+    qwen4 = plan.geometry.arch == "qwen4_exp"
+    if qwen4:
+        if shape is None:
+            raise ValueError("a qwen4_exp model needs its Qwen4ExpShape")
+        factory: TensorFactory = qwen4exp.Qwen4ExpTensors(plan, shape, quant, device)
+        config = qwen4exp.hf_config(plan, shape, quant, MAX_POSITIONS)
+    else:
+        factory = TensorFactory(plan, quant, device)
+        config = hf_config(plan, quant)
+    n_shards = plan.geometry.num_layers + 1 + qwen4  # qwen4_exp: MTP in a shard of its own
     weight_map: dict[str, str] = {}
     total = 0
 
@@ -124,9 +134,13 @@ def write(
             save(layer + 1, factory.layer(layer))
             if progress:
                 progress(layer + 2, f"layer {layer}")
+        if qwen4:
+            save(n_shards - 1, factory.mtp())
+            if progress:
+                progress(n_shards, "MTP")
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out / "config.json").write_text(json.dumps(hf_config(plan, quant), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     gen = {"eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     tokenizer.save(plan, out, MAX_POSITIONS)
@@ -135,6 +149,7 @@ def write(
     desc = {
         "format": FORMAT,
         "generator": "scripts/make-test-model",
+        "architecture": config["architectures"][0],
         "quantization": quant,
         "geometry": dataclasses.asdict(plan.geometry),
         "planting": dataclasses.asdict(plan.planting),
@@ -151,6 +166,15 @@ def write(
         "expert_bytes": factory.expert_bytes(),
         "report": report,
     }
+    if qwen4:
+        assert shape is not None
+        desc["qwen4_exp"] = {
+            **dataclasses.asdict(shape),
+            "layer_types": shape.layer_types(plan.geometry.num_layers),
+            "ple_layers": shape.ple_layers(plan.geometry.num_layers),
+            # vLLM numbers the MTP layer after the model's; it is never a cold-file layer
+            "mtp_layer": plan.geometry.num_layers,
+        }
     (out / "synthetic_model.json").write_text(json.dumps(desc, indent=2) + "\n")
 
 

@@ -10,6 +10,7 @@ import pathlib
 import sys
 import time
 
+from . import qwen4exp
 from .checkpoint import prepare_dir, write
 from .plant import Geometry, Plan, Planting
 from .stats import calibration_report
@@ -29,6 +30,31 @@ PRESETS = {
     ),
 }
 
+# Qwen4Exp presets: MoE geometry here, the rest in qwen4exp.PRESETS under the same name
+QWEN4_PRESETS = {
+    # the target's per-stage geometry: 24 layers, 512 experts top-10, hidden 2560, width 640
+    "target-stage": Geometry(
+        num_layers=24,
+        vocab_size=32000,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        arch="qwen4_exp",
+    ),
+    # CPU tests and quick GPU runs: the same routing (512 experts, top-10) on 6 small layers
+    "tiny": Geometry(
+        hidden_size=256,
+        moe_intermediate_size=128,
+        num_layers=6,
+        vocab_size=4096,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        arch="qwen4_exp",
+    ),
+}
+ARCH_PRESETS = {"qwen3_moe": PRESETS, "qwen4_exp": QWEN4_PRESETS}
+
 EPILOG = """exit codes: 0 written; 1 bad arguments or geometry; 2 usage; 3 output directory
 not empty (use --force); 4 writing failed.
 
@@ -40,16 +66,30 @@ conversation locality. --report prints the simulated reference statistics."""
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="make-test-model",
-        description="Write a synthetic Qwen3-MoE checkpoint (Hugging Face format) that vLLM "
-        "loads: INT4 GPTQ experts (Marlin MoE path) or BF16 (Triton MoE path), a local "
+        description="Write a synthetic Qwen3-MoE or Qwen4Exp checkpoint (Hugging Face format) "
+        "that vLLM loads: INT4 GPTQ experts (Marlin MoE path) or BF16 (Triton MoE path), a local "
         "tokenizer, and prompt data sets per domain.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("out", type=pathlib.Path, help="output directory")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="target")
+    ap.add_argument(
+        "--arch",
+        choices=sorted(ARCH_PRESETS),
+        default="qwen3_moe",
+        help="qwen3_moe (Qwen3MoeForCausalLM) or qwen4_exp (Qwen4ExpForCausalLM: PLE, "
+        "hyper-connections, QSA, Gated DeltaNet, shared expert, MTP)",
+    )
+    ap.add_argument(
+        "--preset",
+        help="qwen3_moe: target (default), tiny; qwen4_exp: target-stage (default), tiny",
+    )
     ap.add_argument("--quant", choices=("int4", "bf16"), default="int4")
-    ap.add_argument("--layers", type=int, help="number of layers (preset: target 8, tiny 4)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        help="number of layers (presets: target 8, tiny 4; qwen4_exp target-stage 24, tiny 6)",
+    )
     ap.add_argument("--hidden-size", type=int)
     ap.add_argument("--experts", type=int, help="routed experts per layer (default 512)")
     ap.add_argument("--top-k", type=int, help="experts per token (default 10)")
@@ -87,15 +127,25 @@ def geometry_from(args: argparse.Namespace) -> Geometry:
         "moe_intermediate_size": args.expert_width,
         "vocab_size": args.vocab_size,
     }
+    presets = ARCH_PRESETS[args.arch]
+    preset = args.preset or next(iter(presets))
+    if preset not in presets:
+        raise ValueError(
+            f"no preset {preset!r} for --arch {args.arch}: choose one of {sorted(presets)}"
+        )
     return dataclasses.replace(
-        PRESETS[args.preset], **{k: v for k, v in overrides.items() if v is not None}
+        presets[preset], **{k: v for k, v in overrides.items() if v is not None}
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    shape = None
     try:
         plan = Plan(geometry_from(args), Planting(seed=args.seed))
+        if args.arch == "qwen4_exp":
+            shape = qwen4exp.PRESETS[args.preset or "target-stage"]
+            shape.ple_layers(plan.geometry.num_layers)  # refuses too few layers
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -119,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
     except ImportError:  # progress lines instead of a bar
         tqdm = None
-    n = plan.geometry.num_layers + 1
+    n = plan.geometry.num_layers + 1 + (shape is not None)
     bar = tqdm(total=n, unit="shard", desc="writing") if tqdm and not args.no_weights else None
 
     def progress(done: int, what: str) -> None:
@@ -141,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             report,
             progress,
             weights=not args.no_weights,
+            shape=shape,
         )
     except (OSError, RuntimeError, ValueError) as e:
         print(f"error: writing {args.out} failed: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ DOMAINS = ("code", "story", "math", "chat", "legal", "science")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 ROLE_WORDS = ("system", "user", "assistant")
 EOS_ID = 0
+ARCHS = ("qwen3_moe", "qwen4_exp")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class Geometry:
     num_attention_heads: int = 32
     num_key_value_heads: int = 4
     head_dim: int = 128
+    arch: str = "qwen3_moe"  # qwen3_moe or qwen4_exp (layer mix and extras: qwen4exp.py)
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,8 @@ class Plan:
             )
         if p.num_topics > g.head_dim:
             raise ValueError(f"{p.num_topics} topics do not fit one attention head of {g.head_dim}")
+        if g.arch not in ARCHS:
+            raise ValueError(f"unknown architecture {g.arch!r}: expected one of {ARCHS}")
         if g.top_k > g.num_experts:
             raise ValueError("top_k must not exceed num_experts")
         first_word = len(SPECIAL_TOKENS) + len(ROLE_WORDS)

@@ -175,8 +175,11 @@ class TensorFactory:
         s[:, live_out:] = 0.0
         return q, s
 
-    def experts(self, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def experts(self, layer: int, prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Routed experts of one layer, named `<prefix>.E.<proj>.*` (default
+        `model.layers.<layer>.mlp.experts`)."""
         g, plan = self.plan.geometry, self.plan
+        prefix = prefix or f"model.layers.{layer}.mlp.experts"
         h, n = g.hidden_size, g.moe_intermediate_size
         s_in, s_out = self.expert_scales()
         shapes = {
@@ -185,7 +188,7 @@ class TensorFactory:
             "down_proj": (n, h, s_out, plan.token_dims),
         }
         for e in range(g.num_experts):
-            pre = f"model.layers.{layer}.mlp.experts.{e}"
+            pre = f"{prefix}.{e}"
             for proj in PROJECTIONS:
                 n_in, n_out, scale, live = shapes[proj]
                 q, s = self._quantised(n_in, n_out, scale, live)

@@ -55,6 +55,10 @@ def verify(cfg) -> None:
 
 
 def model_state(cfg):
+    # The series' model_loader/utils.py imports expert_offload, which closes an import
+    # cycle (fused_moe -> models.utils -> model_loader) when model_state is imported
+    # first; an engine imports fused_moe long before. Import it first here as well.
+    import vllm.model_executor.layers.fused_moe  # noqa: F401
     from vllm.models.qwen4_exp.nvidia.model_state import Qwen4ExpModelState
 
     return Qwen4ExpModelState(cfg, torch.nn.Identity(), None, torch.device("cpu"))
@@ -69,6 +73,7 @@ def test_pp2_with_ple_passes_the_config_check_and_the_model_state():
 
 
 def test_the_amd_model_state_accepts_pp2_too():
+    import vllm.model_executor.layers.fused_moe  # noqa: F401  (see model_state())
     from vllm.models.qwen4_exp.amd.model_state import Qwen4ExpModelState
 
     state = Qwen4ExpModelState(vllm_config(pp=2), torch.nn.Identity(), None, torch.device("cpu"))

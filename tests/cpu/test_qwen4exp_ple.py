@@ -248,6 +248,7 @@ def test_lookup_through_the_host_table_matches_the_table_in_device_memory(
     input_ids = torch.tensor([5, 9, 9, 0, 3, 7, 1], dtype=torch.long)
     query_start_loc = torch.tensor([0, 4, 7], dtype=torch.int32)
     context = torch.tensor([[0, 0], [11, 12]], dtype=torch.int32)
+
     # what forward() does, without the custom op that finds the layer in a forward context
     def lookup(emb):
         ids = emb.compute_ngram_ids(input_ids, query_start_loc, context)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from test_qwen4exp_ple import text_config
 
 

@@ -95,9 +95,15 @@ def test_mtp_under_pp_is_refused_with_the_fix():
     verify(vllm_config(pp=1, spec="mtp"))  # PP=1 stays allowed
 
 
-def test_ple_under_the_v1_runner_is_refused_with_the_fix():
+def test_ple_under_the_v1_runner_is_refused_with_the_fix(monkeypatch):
     from vllm.models.qwen4_exp.common.ple import check_ple_runner
+    from vllm.platforms import current_platform
 
+    # on the CPU no GPU runner runs the model: a CPU build (tests, tools) is let through
+    cfg = vllm_config(pp=1)
+    cfg.use_v2_model_runner = False
+    check_ple_runner(cfg)
+    monkeypatch.setattr(current_platform.__class__, "is_cuda_alike", lambda self: True)
     cfg = vllm_config(pp=1)
     check_ple_runner(cfg)
     cfg.use_v2_model_runner = False

@@ -10,7 +10,8 @@ says what to change:
 - vllm:          the installed vLLM is vllm.pin's release and the series is applied to it;
 - cold-file:     the cold file exists, is well formed and fits the model's config.json
                  (layers, experts, architecture, the budget it was made for);
-- host-memory:   the host experts fit in MemAvailable and the container's memory limit;
+- host-memory:   the host experts (and, with VLLM_PLE_TABLE=host, Qwen4Exp's n-gram tables)
+                 fit in MemAvailable and the container's memory limit;
 - gpus:          enough GPUs for PP x TP, each as large as the topology's cards;
 - host-mapping:  the driver page-locks host memory for the GPU (cudaHostRegister) and, for
                  offload-03, maps host NUMA memory into a VA range (cuMemCreate).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -44,6 +46,7 @@ from .coldcheck import (
 )
 from .hostmem import cgroup_memory, mem_available
 from .pin import PIN, ROOT
+from .ple_table import ple_tables
 from .selection import GiB, SelectionError
 from .topologies import TOPOLOGIES, Topology, get_topology
 
@@ -87,6 +90,7 @@ class Setup:
     cold_file: str | None = None
     host_layers: str = ""
     pp_partition: str = ""
+    ple_table: str = "gpu"  # VLLM_PLE_TABLE: "host" puts Qwen4Exp's n-gram tables in host memory
     meminfo: pathlib.Path = pathlib.Path("/proc/meminfo")
     cgroup_root: pathlib.Path = pathlib.Path("/sys/fs/cgroup")
     site: pathlib.Path | None = None  # where the vllm package is installed; None: find it
@@ -282,26 +286,73 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
 # --- host-memory: host experts against MemAvailable and the cgroup limit ----------------------
 
 
-def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]:
-    if not setup.offload_configured:
-        return [Result("host-memory", "skip", "no offload configured")]
+def ple_host_need(setup: Setup) -> tuple[int, str] | Result | None:
+    """Bytes of the PLE n-gram tables VLLM_PLE_TABLE=host puts in page-locked host memory
+    (every PLE layer's table, whichever pipeline rank builds it: the ranks share the host),
+    with what to print; None when the tables stay in VRAM or the model has none."""
+    if setup.ple_table != "host" or not setup.model:
+        return None
+    cfg_file = pathlib.Path(setup.model) / "config.json"
+    if not cfg_file.is_file():
+        return Result(
+            "host-memory",
+            "warn",
+            "VLLM_PLE_TABLE=host: the n-gram tables' size is unknown (no local config.json); "
+            "vLLM checks the host memory itself at start-up",
+        )
+    try:
+        tables = ple_tables(json.loads(cfg_file.read_text()))
+    except (ValueError, KeyError) as e:
+        return Result("host-memory", "fail", f"VLLM_PLE_TABLE=host: {e}", "fix config.json")
+    if not tables:
+        return None
+    need = sum(t.nbytes for t in tables)
+    t = tables[0]
+    return need, (
+        f"PLE n-gram tables need {need / GiB:.2f} GiB ({len(tables)} x {t.rows} rows x "
+        f"{t.width} x {t.element_bytes} B, VLLM_PLE_TABLE=host)"
+    )
+
+
+def expert_host_need(setup: Setup, cold: dict[str, Any] | None) -> tuple[int, str] | Result:
+    """Bytes of the host experts and what to print, or the result that ends the check."""
     if setup.cold_file and cold is None:
-        return [Result("host-memory", "skip", "no usable cold file (see cold-file)")]
+        return Result("host-memory", "skip", "no usable cold file (see cold-file)")
     model = read_model_config(setup.model)
     try:
         plan = plan_host_experts(cold, model, setup.pp, setup.host_layers, setup.pp_partition)
     except (ValueError, SelectionError) as e:
-        return [Result("host-memory", "fail", str(e), "fix the layer list or the PP size")]
-    need = plan.total_bytes
-    if need is None:
-        return [
-            Result(
-                "host-memory",
-                "skip",
-                "the bytes of one expert are unknown (no local checkpoint, no budget in the "
-                "cold file); vLLM checks the host budget itself at start-up",
-            )
-        ]
+        return Result("host-memory", "fail", str(e), "fix the layer list or the PP size")
+    if plan.total_bytes is None:
+        return Result(
+            "host-memory",
+            "skip",
+            "the bytes of one expert are unknown (no local checkpoint, no budget in the "
+            "cold file); vLLM checks the host budget itself at start-up",
+        )
+    return plan.total_bytes, (
+        f"host experts need {human_bytes(plan.total_bytes)} ({sum(plan.experts_per_rank)} "
+        f"experts x {plan.bytes_per_expert} bytes, per rank {plan.experts_per_rank})"
+    )
+
+
+def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]:
+    ple = ple_host_need(setup)
+    if not setup.offload_configured and not isinstance(ple, tuple):
+        return (
+            [ple] if ple is not None else [Result("host-memory", "skip", "no offload configured")]
+        )
+    out: list[Result] = []
+    parts: list[tuple[int, str]] = []
+    for part in (expert_host_need(setup, cold) if setup.offload_configured else None, ple):
+        if isinstance(part, Result):
+            out.append(part)
+        elif part is not None:
+            parts.append(part)
+    if not parts:
+        return out
+    need = sum(n for n, _ in parts)
+    what = "; ".join(w for _, w in parts)
     avail = mem_available(setup.meminfo)
     cg = cgroup_memory(setup.cgroup_root)
     rooms = []
@@ -315,30 +366,28 @@ def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]
                 f"{cg.usage / GiB:.1f} GiB in use ({cg.source})",
             )
         )
-    what = (
-        f"host experts need {human_bytes(need)} ({sum(plan.experts_per_rank)} experts x "
-        f"{plan.bytes_per_expert} bytes, per rank {plan.experts_per_rank})"
-    )
     if not rooms:
-        return [Result("host-memory", "warn", f"{what}; cannot read how much memory is free")]
+        return [*out, Result("host-memory", "warn", f"{what}; cannot read how much memory is free")]
     room, source = min(rooms)
     fix = (
         "give the container more memory (compose: deploy.resources.limits.memory), stop "
         "what else uses host memory, or use a smaller cold set"
     )
+    if ple is not None and not isinstance(ple, Result):
+        fix += ", or keep the n-gram tables in VRAM (VLLM_PLE_TABLE=gpu)"
     if need > room:
         return [
+            *out,
             Result(
                 "host-memory",
                 "fail",
                 f"{what}, but only {room / GiB:.2f} GiB is free: {source}",
                 fix,
-            )
+            ),
         ]
     reserve_gib = setup.reserve_gib
     if reserve_gib is None:
         reserve_gib = RESERVE_GIB_BASE + RESERVE_GIB_PER_GPU * setup.gpus_needed
-    out = []
     if need + reserve_gib * GiB > room:
         out.append(
             Result(
@@ -357,7 +406,8 @@ def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]
             Result(
                 "host-memory",
                 "warn",
-                f"the locked-memory limit is {soft >> 10} KiB, less than the host experts; "
+                f"the locked-memory limit is {soft >> 10} KiB, less than the "
+                f"{need / GiB:.2f} GiB to page-lock; "
                 "page-locking them may fail",
                 "ulimit -l unlimited (compose: ulimits: memlock: -1)",
             )
@@ -426,7 +476,7 @@ def check_gpus(setup: Setup) -> list[Result]:
 
 
 def check_host_mapping(setup: Setup) -> list[Result]:
-    if not setup.offload_configured:
+    if not setup.offload_configured and setup.ple_table != "host":
         return [Result("host-mapping", "skip", "no offload configured")]
     probes = setup.probes()
     out = []
@@ -507,13 +557,15 @@ def report(results: Sequence[Result], out=sys.stdout) -> None:
 EPILOG = f"""checks, in the order they run (exit code of the first that fails):
   vllm (7)          the installed vLLM is vllm.pin's and the patch series is applied
   cold-file (6)     VLLM_EXPERT_COLD_FILE exists, is well formed and fits the model
-  host-memory (4)   host experts fit MemAvailable and the container's memory limit
+  host-memory (4)   host experts (and PLE tables with VLLM_PLE_TABLE=host) fit MemAvailable
+                    and the container's memory limit
   gpus (3)          PP x TP GPUs visible, each as large as the topology's cards
   host-mapping (5)  the driver page-locks host memory for the GPU; VMM host NUMA mapping
 
 exit codes: 0 every check passed (warnings allowed); 2 usage; 3-7 as above.
 environment: EO_TOPOLOGY (default of --topology), EO_PREFLIGHT_SKIP (comma-separated checks
-to skip), VLLM_EXPERT_COLD_FILE, VLLM_EXPERT_HOST_LAYERS, VLLM_PP_LAYER_PARTITION.
+to skip), VLLM_EXPERT_COLD_FILE, VLLM_EXPERT_HOST_LAYERS, VLLM_PP_LAYER_PARTITION,
+VLLM_PLE_TABLE.
 topologies: {", ".join(TOPOLOGIES)}."""
 
 
@@ -533,6 +585,13 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--topology", default=env.get("EO_TOPOLOGY") or None)
     ap.add_argument("--cold-file", default=env.get("VLLM_EXPERT_COLD_FILE") or None)
     ap.add_argument("--host-layers", default=env.get("VLLM_EXPERT_HOST_LAYERS", ""))
+    ap.add_argument(
+        "--ple-table",
+        choices=("gpu", "host"),
+        default=env.get("VLLM_PLE_TABLE") or "gpu",
+        help="where Qwen4Exp's PLE n-gram tables live (VLLM_PLE_TABLE); host: counted in the "
+        "host-memory check",
+    )
     ap.add_argument(
         "--skip",
         action="append",
@@ -574,6 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cold_file=args.cold_file,
         host_layers=args.host_layers,
         pp_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
+        ple_table=args.ple_table,
         meminfo=args.meminfo,
         cgroup_root=args.cgroup_root,
         site=args.site,

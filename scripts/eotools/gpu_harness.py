@@ -339,9 +339,14 @@ def _close(fds: list[int]) -> None:
 def engine(**overrides) -> dict:
     """BASE_ENGINE with `overrides`. EO_GPU_MEMORY_UTILIZATION sets vLLM's start-up check of
     free GPU memory (the KV cache size is fixed anyway), so that engines whose timings do
-    not matter can share one GPU; it is not in the compile cache's key."""
+    not matter can share one GPU; it is not in the compile cache's key. EO_ENGINE_EXTRA (JSON)
+    is merged into every engine's settings last, for what a GPU host's vLLM build lacks: e.g.
+    '{"attention_config": {"flash_attn_version": 2}}' where the flash-attention kernels are
+    missing but a backend (Qwen4Exp's QSA) would plan for FA3."""
     out = dict(BASE_ENGINE)
     if share := os.environ.get("EO_GPU_MEMORY_UTILIZATION"):
         out["gpu_memory_utilization"] = float(share)
     out.update(overrides)
+    if extra := os.environ.get("EO_ENGINE_EXTRA"):
+        out.update(json.loads(extra))
     return out

@@ -78,7 +78,7 @@ class SharedExpert(torch.nn.Module):
         )
         for p in self.parameters():
             # large enough that a missing or doubled shared output dwarfs the bound
-            p.data.copy_(torch.randn(p.shape, generator=g) * 2 / p.shape[-1] ** 0.5)
+            p.data.copy_(torch.randn(p.shape, generator=g, device="cpu") * 2 / p.shape[-1] ** 0.5)
         self.inputs: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +175,9 @@ def test_split_layer_with_shared_expert_equals_full_layer(
         ).to(torch.bfloat16)
     gate.weight.data.copy_(torch.randn(num_experts, H, device="cuda") / H**0.5)
     g = torch.Generator().manual_seed(1)
-    cold = torch.randperm(num_experts, generator=g)[: num_experts // 4].tolist()  # 16 of 64
+    cold = torch.randperm(num_experts, generator=g, device="cpu")[
+        : num_experts // 4
+    ].tolist()  # 16 of 64
     full = _runner(1, num_experts, top_k, quant, weights, None, tmp_path, shared, gate)
     split = _runner(2, num_experts, top_k, quant, weights, cold, tmp_path, shared, gate)
     assert isinstance(split.routed_experts, SplitRoutedExperts)

@@ -315,9 +315,11 @@ def test_start_up_logs_the_table_bytes_and_where_they_are(vllm_cpu, host_placeme
     with CudaStandIn(), torch.device("cuda"):
         build_embedding(config)
     rows = expected_rows(config, 0)
+    nbytes = rows * HEAD_DIM * 2
+    assert nbytes < (1 << 30) // 10  # a small table is shown in MiB, not as "0.00 GiB"
     line = (
         f"PLE n-gram table of PLE layer model.layers.0.ple: "
-        f"{rows * HEAD_DIM * 2 / (1 << 30):.2f} GiB ({rows} rows x {HEAD_DIM}, "
+        f"{nbytes / (1 << 20):.2f} MiB ({rows} rows x {HEAD_DIM}, "
         "torch.bfloat16) in page-locked host memory, read by the GPU through UVA "
         "(VLLM_PLE_TABLE=host)"
     )

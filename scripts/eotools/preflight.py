@@ -57,7 +57,6 @@ EXIT_CODES = {"vllm": 7, "cold-file": 6, "host-memory": 4, "gpus": 3, "host-mapp
 CHECKS = tuple(EXIT_CODES)
 
 
-
 def make_cold_set(model: str | None, pp: int) -> str:
     """How to make a cold file for a real model: count its router picks on a running server
     (count-experts' default source, `synthetic`, reads only make-test-model checkpoints), then

@@ -7,7 +7,6 @@ import re
 import subprocess
 
 import pytest
-
 from eotools.pin import PIN, read_pin
 
 

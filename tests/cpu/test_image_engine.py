@@ -143,7 +143,7 @@ def test_the_series_is_applied_and_the_patched_vllm_imports(eng, images):
     )
     r = in_container(eng, image, "-c", code, entrypoint="python3")
     assert r.returncode == 0, r.stderr[-3000:]
-    version, site, module = r.stdout.split()
+    version, site, module = r.stdout.strip().splitlines()[-1].split()  # after vLLM's log
     assert version == "0.29.0" and module.endswith("expert_offload")
     check = in_container(
         eng, image, "--check", site, entrypoint="/opt/expert-offload/scripts/apply-patches.sh"

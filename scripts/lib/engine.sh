@@ -21,7 +21,11 @@ find_engine() {
     export DOCKER_BUILDKIT=0
     return 0
   fi
-  ENGINE_MISSING="no container engine: podman is not installed and no docker daemon answers"
+  case $want in
+    podman) ENGINE_MISSING="EO_ENGINE=podman, but podman is not installed" ;;
+    docker) ENGINE_MISSING="EO_ENGINE=docker, but no docker daemon answers" ;;
+    *) ENGINE_MISSING="no container engine: podman is not installed and no docker daemon answers" ;;
+  esac
   ENGINE_MISSING+=" (scripts/install-engine installs podman from Debian's packages)"
   return 1
 }

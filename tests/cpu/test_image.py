@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import re
 import shutil
 import stat
 import subprocess
@@ -288,6 +289,9 @@ def test_dockerfile_layout(repo_root):
     ):
         assert f"{key}=" in labels, key
     assert kinds.count("FROM") == 1 and "CMD" not in kinds  # vllm serve's arguments: the user's
+    # no parser directive that makes BuildKit pull a frontend (Docker Hub may be out of reach)
+    text = (repo_root / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
 
 
 def fake_vllm(bin_dir: pathlib.Path, env_vars: tuple[str, ...] = ()) -> pathlib.Path:

@@ -59,9 +59,9 @@ ARG TOPOLOGY=any
 ARG IMAGE_VERSION=dev
 # The repository URL; the image workflow passes it.
 ARG IMAGE_SOURCE=""
-# A RUN after every ARG the labels use: podman 4.3's layer cache keys ENV and LABEL by their
-# unexpanded text, so a build for another topology reused the last one's layers (EO_TOPOLOGY
-# and the labels kept the old values); a RUN's cache key holds the build arguments.
+# A RUN after every ARG the labels use, whose cache key holds their values: podman 4.3's
+# layer cache was seen to give a build for another topology the last one's ENV and LABEL
+# layers (EO_TOPOLOGY=any kept). scripts/image-build checks each image's values either way.
 RUN echo "$TOPOLOGY" > "$EO_HOME/topology"
 ENV EO_TOPOLOGY=${TOPOLOGY}
 LABEL org.opencontainers.image.title="vllm-expert-offload" \

@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # The pinned vLLM OpenAI-server image with the expert-offload patch series applied, and a
 # start-up preflight in front of `vllm serve` (scripts/entrypoint.sh).
 #
@@ -60,6 +59,10 @@ ARG TOPOLOGY=any
 ARG IMAGE_VERSION=dev
 # The repository URL; the image workflow passes it.
 ARG IMAGE_SOURCE=""
+# A RUN after every ARG the labels use, whose cache key holds their values: podman 4.3's
+# layer cache was seen to give a build for another topology the last one's ENV and LABEL
+# layers (EO_TOPOLOGY=any kept). scripts/image-build checks each image's values either way.
+RUN echo "$TOPOLOGY" > "$EO_HOME/topology"
 ENV EO_TOPOLOGY=${TOPOLOGY}
 LABEL org.opencontainers.image.title="vllm-expert-offload" \
       org.opencontainers.image.description="vLLM OpenAI server with rarely used MoE experts in host RAM (topology: ${TOPOLOGY})" \

@@ -7,20 +7,62 @@
 #   EO_SKIP_PREFLIGHT=1     start vLLM without the preflight
 #   EO_PREFLIGHT_SKIP=a,b   skip some of its checks
 #   EO_TOPOLOGY             the hardware to check against (the image's TOPOLOGY build argument)
-#   EO_HOST_BUDGET_GIB      budget-only start: when VLLM_EXPERT_COLD_FILE names no file, write
-#                           one for this many GiB of routed experts per card and count usage
-#                           so the next start learns from it (scripts/budget-start --help)
+#   VLLM_EXPERT_COLD_FILE   the cold file, a path inside the container (compose: COLD_FILE,
+#                           in the folder mounted at /cold); when set, it must exist, or the
+#                           container stops (exit 6) with what to change
+#   EO_HOST_BUDGET_GIB      budget-only start, when VLLM_EXPERT_COLD_FILE is unset or empty:
+#                           write a cold file for this many GiB of routed experts per card and
+#                           count usage so the next start learns from it (budget-start --help)
 #   EO_STATE_DIR            where a budget-only start keeps what it learned (default /state)
+#
+# `--help` (or -h) prints this, then `vllm serve --help`, without the preflight.
 set -euo pipefail
 home=${EO_HOME:-$(cd "$(dirname "$0")/.." && pwd)}
-if [[ -n ${EO_HOST_BUDGET_GIB:-} && ! -f ${VLLM_EXPERT_COLD_FILE:-} ]]; then
-  if [[ -n ${VLLM_EXPERT_COLD_FILE:-} ]]; then
-    echo "entrypoint: no cold file at $VLLM_EXPERT_COLD_FILE; budget-only start" \
-      "($EO_HOST_BUDGET_GIB GiB per card)" >&2
+for arg in "$@"; do
+  case $arg in
+    -h | --help | --help=*)
+      awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
+      if command -v vllm >/dev/null; then
+        echo
+        exec vllm serve "$@"
+      fi
+      exit 0
+      ;;
+  esac
+done
+cold=${VLLM_EXPERT_COLD_FILE:-}
+if [[ -z $cold ]]; then
+  unset VLLM_EXPERT_COLD_FILE # empty (compose: COLD_FILE unset) means no cold file
+  if [[ -n ${EO_HOST_BUDGET_GIB:-} ]]; then
+    exports=$(python3 "$home/scripts/budget-start" --budget-gib "$EO_HOST_BUDGET_GIB" \
+      --state-dir "${EO_STATE_DIR:-/state}" -- "$@") || exit
+    eval "$exports"
   fi
-  exports=$(python3 "$home/scripts/budget-start" --budget-gib "$EO_HOST_BUDGET_GIB" \
-    --state-dir "${EO_STATE_DIR:-/state}" -- "$@") || exit
-  eval "$exports"
+elif [[ ! -f $cold ]]; then
+  # A cold file that was asked for and is not there is a mistake (a typo, a host path), not
+  # a reason to start with another placement: stop with the preflight's cold-file code.
+  what="no such file"
+  [[ -d $cold ]] && what="a directory, not a cold file"
+  {
+    echo "entrypoint: error: VLLM_EXPERT_COLD_FILE=$cold: $what in the container"
+    echo "entrypoint:   fix: the path is read inside the container: put the file in the host" \
+      "folder mounted at /cold (compose: COLD_DIR, default ../cold) and set" \
+      "COLD_FILE=/cold/<its name>"
+    case $cold in
+      /cold/* | /models/* | /state/*) ;;
+      *) echo "entrypoint:   $cold looks like a path on the host, not in the container" ;;
+    esac
+    dir=$(dirname "$cold")
+    if [[ -d $dir ]]; then
+      found=$(cd "$dir" && find . -maxdepth 1 -name '*.json' -printf '%f ' | head -c 400)
+      [[ -n $found ]] && echo "entrypoint:   $dir has: $found"
+    fi
+    if [[ -n ${EO_HOST_BUDGET_GIB:-} ]]; then
+      echo "entrypoint:   for a budget-only start ($EO_HOST_BUDGET_GIB GiB per card) leave" \
+        "COLD_FILE unset instead (VLLM_EXPERT_COLD_FILE empty)"
+    fi
+  } >&2
+  exit 6
 fi
 if [[ ${EO_SKIP_PREFLIGHT:-0} != 1 ]]; then
   python3 "$home/scripts/preflight" -- "$@" || exit # with the preflight's exit code

@@ -61,14 +61,37 @@ EXIT_USAGE = 2
 EXIT_CODES = {"vllm": 7, "cold-file": 6, "host-memory": 4, "gpus": 3, "host-mapping": 5}
 CHECKS = tuple(EXIT_CODES)
 
-MAKE_COLD_SET = (
-    "make a cold file for this model on this machine (README.md, 'Cold sets', also says what "
-    "scripts/count-experts can count today): scripts/count-experts --model M --data "
-    "NAME=FILE ... --out-dir counts/, then scripts/select-cold-set select --model M --counts "
-    "counts/*.json --budget-gib 3 --pp-size P --out COLD_DIR/3GiB-per-card.json; mount its "
-    "folder at /cold (compose: COLD_DIR) and name it with COLD_FILE; or unset "
-    "VLLM_EXPERT_COLD_FILE to serve without offload"
-)
+
+def make_cold_set(model: str | None, pp: int) -> str:
+    """How to make a cold file for a real model: count its router picks on a running server
+    (count-experts' default source, `synthetic`, reads only make-test-model checkpoints), then
+    select; or let a budget-only start count while serving."""
+    m = model or "/models/MODEL"
+    return (
+        "make one for this model (docs/cold-sets.md): serve it once with "
+        "VLLM_EXPERT_COUNT_FILE=/state/counts.json and --no-enable-prefix-caching, send it your "
+        "kind of prompts through scripts/count-experts --source server --url "
+        "http://localhost:8000 --counts-file STATE_DIR/counts.json --data chat=chat.jsonl "
+        f"--out-dir counts/, then scripts/select-cold-set select --model {m} --counts "
+        f"counts/*.json --budget-gib 3 --pp-size {pp} --out COLD_DIR/3GiB-per-card.json; or "
+        "leave COLD_FILE unset with EO_HOST_BUDGET_GIB set (compose: HOST_BUDGET_GIB) for a "
+        "budget-only start, which counts while serving and uses the counts at the next start"
+    )
+
+
+def missing_cold_file_fix(path: pathlib.Path) -> str:
+    """A missing cold file is most often a typo or a host path: the file is read at its path
+    inside the container, where COLD_DIR is mounted at /cold."""
+    here = sorted(p.name for p in path.parent.glob("*.json")) if path.parent.is_dir() else []
+    fix = (
+        f"{path} is read inside the container: put the file in the host folder mounted at "
+        "/cold (compose: COLD_DIR, default ../cold) and set COLD_FILE=/cold/<its name>"
+    )
+    if here:
+        fix += f"; {path.parent} has: {', '.join(here[:8])}" + (" ..." if len(here) > 8 else "")
+    elif not str(path).startswith(("/cold/", "/models/", "/state/")):
+        fix += f" ({path} looks like a path on the host, not in the container)"
+    return fix + "; or unset VLLM_EXPERT_COLD_FILE (COLD_FILE) to start without a cold file"
 
 
 @dataclass(frozen=True)
@@ -240,8 +263,11 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
     try:
         cold = load_cold_file(path)
     except ColdFileError as e:
-        # a missing file needs the whole recipe; a broken one says what to change in it
-        fix = MAKE_COLD_SET if not path.exists() else e.fix
+        # missing: where the file is read from; broken: what to change in it, or a new one
+        if not path.exists():
+            fix = missing_cold_file_fix(path)
+        else:
+            fix = f"{e.fix}; or {make_cold_set(setup.model, setup.pp)}"
         return [Result("cold-file", "fail", f"{where}: {e}", fix)], None
     if model is None:
         return [
@@ -253,7 +279,7 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
                 "vLLM at start-up",
             )
         ], cold
-    fix = "the file was made for another model or split; " + MAKE_COLD_SET
+    fix = "the file was made for another model or split; " + make_cold_set(setup.model, setup.pp)
     problems = model_mismatches(cold, model, host_layers)
     if problems:
         return [Result("cold-file", "fail", f"{where}: " + "; ".join(problems), fix)], cold
@@ -277,7 +303,8 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
                 "cold-file",
                 "warn",
                 f"{where}: {other_name}; its shape fits, so vLLM uses it ({fits})",
-                "check that it was counted on this checkpoint; if not, " + MAKE_COLD_SET,
+                "check that it was counted on this checkpoint; if not, "
+                + make_cold_set(setup.model, setup.pp),
             )
         ], cold
     return [Result("cold-file", "ok", fits)], cold

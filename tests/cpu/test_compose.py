@@ -112,7 +112,8 @@ def test_2x32GB_serves_the_spec_settings(repo_root):
         a for a in SPEC_2X32GB if a.startswith("--")
     ]
     cold = svc["environment"]["VLLM_EXPERT_COLD_FILE"]
-    assert substitute(cold, {}) == "/cold/7GiB-per-card.json"
+    # unset by default: a budget-only start; a COLD_FILE that names no file stops the start
+    assert substitute(cold, {}) == ""
     assert substitute(cold, {"COLD_FILE": "/cold/2GiB.json"}) == "/cold/2GiB.json"
     one_table = svc["environment"]["VLLM_EXPERT_ONE_TABLE"]  # offload-03: opt-in
     assert substitute(one_table, {}) == "0" and substitute(one_table, {"ONE_TABLE": "1"}) == "1"
@@ -132,7 +133,7 @@ def test_qwen4exp_services_keep_the_ple_table_on_host(repo_root, name):
     assert env["VLLM_PLE_TABLE"] == "host"  # 95 GiB: no card holds it
     budget = HOST_BUDGET_GIB[name]
     assert substitute(env["EO_HOST_BUDGET_GIB"], {}) == budget
-    assert substitute(env["VLLM_EXPERT_COLD_FILE"], {}) == f"/cold/{budget}GiB-per-card.json"
+    assert substitute(env["VLLM_EXPERT_COLD_FILE"], {}) == ""  # a budget-only start
     name_arg = flags(svc["command"])["--served-model-name"]
     assert substitute(name_arg, {}) == "Qwen3.8-Flash-Next-INT4"
     assert substitute(name_arg, {"SERVED_MODEL_NAME": "qwen"}) == "qwen"

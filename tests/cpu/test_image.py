@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import re
 import shutil
 import stat
 import subprocess
@@ -288,6 +289,9 @@ def test_dockerfile_layout(repo_root):
     ):
         assert f"{key}=" in labels, key
     assert kinds.count("FROM") == 1 and "CMD" not in kinds  # vllm serve's arguments: the user's
+    # no parser directive that makes BuildKit pull a frontend (Docker Hub may be out of reach)
+    text = (repo_root / "Dockerfile").read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
 
 
 def fake_vllm(bin_dir: pathlib.Path, env_vars: tuple[str, ...] = ()) -> pathlib.Path:
@@ -308,12 +312,11 @@ def run_entrypoint(
     log = fake_vllm(tmp_path / "bin", env_vars)
     python = pathlib.Path(sys.executable).parent
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "VLLM_EXPERT_COLD_FILE"},
         "PATH": f"{tmp_path / 'bin'}{os.pathsep}{python}{os.pathsep}/usr/bin:/bin",
         "EO_HOME": str(repo_root),
         **env_extra,
     }
-    env.pop("VLLM_EXPERT_COLD_FILE", None)
     r = subprocess.run(
         [str(repo_root / "scripts/entrypoint.sh"), *args], env=env, capture_output=True, text=True
     )
@@ -341,8 +344,9 @@ def test_entrypoint_stops_when_the_preflight_fails(repo_root, tmp_path):
     assert not log.exists()
 
 
-def test_entrypoint_makes_a_budget_only_start_when_the_cold_file_is_missing(
-    repo_root, tmp_path, tiny_model
+@pytest.mark.parametrize("cold_file", [None, ""], ids=["unset", "empty"])
+def test_entrypoint_makes_a_budget_only_start_when_no_cold_file_is_set(
+    repo_root, tmp_path, tiny_model, cold_file
 ):
     state = tmp_path / "state"
     r, log = run_entrypoint(
@@ -353,6 +357,7 @@ def test_entrypoint_makes_a_budget_only_start_when_the_cold_file_is_missing(
         EO_SKIP_PREFLIGHT="1",
         EO_HOST_BUDGET_GIB="0.001",
         EO_STATE_DIR=str(state),
+        **({} if cold_file is None else {"VLLM_EXPERT_COLD_FILE": cold_file}),
     )
     assert r.returncode == 0, r.stderr
     cold, counts, *args = log.read_text().splitlines()
@@ -360,3 +365,38 @@ def test_entrypoint_makes_a_budget_only_start_when_the_cold_file_is_missing(
     assert counts == str(state / "run" / "counts.json")
     assert args == ["serve", str(tiny_model), "--max-model-len", "4096"]
     assert "initial placement" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "cold_file, says",
+    [
+        ("/cold/3GiB-per-card.jsn", "no such file in the container"),
+        ("/home/me/cold/3GiB-per-card.json", "looks like a path on the host"),
+        ("/", "a directory, not a cold file"),
+    ],
+)
+def test_entrypoint_stops_when_the_cold_file_asked_for_is_not_there(
+    repo_root, tmp_path, tiny_model, cold_file, says
+):
+    """A mistyped COLD_FILE or a host path is a mistake to fix, not a budget-only start the
+    user did not ask for: the container stops with the cold-file code before anything runs."""
+    state = tmp_path / "state"
+    r, log = run_entrypoint(
+        repo_root,
+        tmp_path,
+        [str(tiny_model)],
+        VLLM_EXPERT_COLD_FILE=cold_file,
+        EO_HOST_BUDGET_GIB="0.001",
+        EO_STATE_DIR=str(state),
+        EO_SKIP_PREFLIGHT="1",
+    )
+    assert r.returncode == 6, r.stdout + r.stderr
+    assert says in r.stderr and "COLD_DIR" in r.stderr and "leave COLD_FILE unset" in r.stderr
+    assert not log.exists() and not state.exists()
+
+
+def test_entrypoint_help_prints_usage_without_the_preflight(repo_root, tmp_path):
+    r, log = run_entrypoint(repo_root, tmp_path, ["--help"], CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "VLLM_EXPERT_COLD_FILE" in r.stdout and "preflight:" not in r.stdout
+    assert log.read_text().splitlines() == ["serve", "--help"]  # then vllm serve's own help

@@ -220,15 +220,45 @@ def test_host_memory_is_skipped_without_offload(tmp_path):
 # --- cold file against the model --------------------------------------------------------------
 
 
-def test_a_missing_cold_file_says_how_to_make_one(tmp_path):
+def test_a_missing_cold_file_says_where_the_file_must_be(tmp_path):
     s = setup_for(tmp_path, model=str(make_model(tmp_path)), cold_file="/cold/3GiB-per-card.json")
     results = pf.run_checks(s, ["vllm"])
     [cold] = only(results, "cold-file")
     assert cold.status == "fail" and "no such file" in cold.message
-    for step in ("scripts/count-experts", "scripts/select-cold-set select", "COLD_FILE", "/cold"):
+    for step in ("COLD_DIR", "COLD_FILE=/cold/", "inside the container"):
         assert step in cold.fix
+    assert "count-experts" not in cold.fix  # a typo needs no recipe for a new cold set
     assert only(results, "host-memory")[0].status == "skip"  # nothing to count without it
     assert pf.exit_code(results) == 6
+
+
+def test_a_mistyped_cold_file_lists_the_files_beside_it(tmp_path):
+    folder = tmp_path / "cold"
+    folder.mkdir()
+    (folder / "3GiB-per-card.json").write_text("{}")
+    s = setup_for(tmp_path, model=str(make_model(tmp_path)), cold_file=str(folder / "3GiB.json"))
+    [cold] = only(pf.run_checks(s, ["vllm"]), "cold-file")
+    assert cold.status == "fail" and "has: 3GiB-per-card.json" in cold.fix
+
+
+def test_a_host_path_as_cold_file_is_named_as_one(tmp_path):
+    s = setup_for(tmp_path, model=str(make_model(tmp_path)), cold_file="/home/me/x/cold.json")
+    [cold] = only(pf.run_checks(s, ["vllm"]), "cold-file")
+    assert "looks like a path on the host" in cold.fix
+
+
+def test_a_cold_file_for_another_model_gives_a_recipe_for_a_real_model(tmp_path):
+    """count-experts' default source reads only make-test-model checkpoints: the recipe for a
+    served model counts on the server, for this model and pipeline size."""
+    model = make_model(tmp_path)
+    other = {"architecture": "Qwen3MoeForCausalLM", "num_layers": 48, "num_experts": 512}
+    cold = make_cold(tmp_path, {0: [1, 2]}, model=other)
+    s = setup_for(tmp_path, model=str(model), cold_file=str(cold), pp=2)
+    [r] = only(pf.run_checks(s, ["vllm"]), "cold-file")
+    assert r.status == "fail"
+    assert "scripts/count-experts --source server" in r.fix
+    assert "VLLM_EXPERT_COUNT_FILE" in r.fix and "--counts-file" in r.fix
+    assert f"select --model {model} " in r.fix and "--pp-size 2 " in r.fix
 
 
 BAD_COLD = {

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
 from eotools.pin import PIN, read_pin
 
 
@@ -91,3 +92,56 @@ def test_every_tool_in_scripts_answers_help(repo_root):
         )
         assert r.returncode == 0, f"{tool.name} --help: rc {r.returncode}\n{r.stderr[-2000:]}"
         assert len(r.stdout.strip().splitlines()) >= 2, f"{tool.name} --help printed no usage"
+
+
+TOOLS_WITH_PACKAGES = ("bench", "compare-logprobs", "make-test-model", "bench-host-read")
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory):
+    """A Python without third-party packages, as a system python3 often is."""
+    import subprocess
+    import sys
+
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    return venv / "bin" / "python"
+
+
+@pytest.mark.parametrize("tool", TOOLS_WITH_PACKAGES)
+def test_tools_started_with_another_python_use_the_project_env(repo_root, bare_python, tool):
+    """`scripts/bench --help` with a python3 that lacks aiohttp (or torch) re-runs itself in
+    the project's environment (EO_VENV; here the test environment), not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "EO_VENV": sys.prefix}
+    r = subprocess.run(
+        [str(bare_python), str(repo_root / "scripts" / tool), "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "usage:" in r.stdout
+
+
+@pytest.mark.parametrize("tool", TOOLS_WITH_PACKAGES)
+def test_tools_without_the_project_env_say_how_to_make_it(repo_root, bare_python, tool, tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "EO_VENV": str(tmp_path / "no-venv")}
+    r = subprocess.run(
+        [str(bare_python), str(repo_root / "scripts" / tool), "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "scripts/dev-env" in r.stderr, r.stderr
+    assert f"there is no {tmp_path / 'no-venv'}/bin/python" in r.stderr

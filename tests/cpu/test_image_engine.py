@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The image built and run by a real container engine (podman, or docker with a daemon): on a
+stand-in for the upstream base image (scripts/standin-base) where that cannot be pulled, every
+topology's image from the Dockerfile (scripts/image-build), then what is inside it, the
+preflight's stop without a GPU, a broken patch, and the compose files read and started by
+podman-compose.
+
+Without an engine these tests skip, with the reason; CI sets EO_REQUIRE_ENGINE=1 (.ci/run),
+which turns that skip into a failure, so an image that was never built cannot pass CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOPOLOGIES = ("any", "2x32GB", "3x24GB", "2x24GB", "tiny")
+TAG = "vllm-expert-offload-test"
+EXIT_GPUS = 3  # eotools/preflight.py: EXIT_CODES["gpus"]
+
+pytestmark = pytest.mark.image
+
+
+@functools.cache
+def engine() -> tuple[str, dict[str, str]]:
+    """The engine's command and the environment its project settings need (engine.sh)."""
+    r = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f". {ROOT}/scripts/lib/pin.sh && . {ROOT}/scripts/lib/engine.sh && "
+            'if find_engine; then echo "$ENGINE ${CONTAINERS_CONF:-}"; else '
+            'echo "$ENGINE_MISSING" >&2; exit 1; fi',
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        return "", {"why": r.stderr.strip()}
+    name, _, conf = r.stdout.strip().partition(" ")
+    env = {"CONTAINERS_CONF": conf} if conf else {"DOCKER_BUILDKIT": "0"}
+    return name, env
+
+
+def require_engine() -> tuple[str, dict[str, str]]:
+    name, env = engine()
+    if not name:
+        why = env["why"]
+        if os.environ.get("EO_REQUIRE_ENGINE") == "1":
+            pytest.fail(f"EO_REQUIRE_ENGINE=1, but {why}")
+        pytest.skip(f"{why}; set EO_REQUIRE_ENGINE=1 to make this a failure (CI does)")
+    return name, {**os.environ, **env}
+
+
+def run(cmd: list[str], env: dict[str, str], timeout: float = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def eng() -> tuple[str, dict[str, str]]:
+    return require_engine()
+
+
+@pytest.fixture(scope="module")
+def standin(eng) -> str:
+    """The stand-in base image (built once per vllm.pin and requirements; reused after)."""
+    _, env = eng
+    r = run([str(ROOT / "scripts/standin-base")], env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def images(eng, standin) -> dict[str, str]:
+    """Every topology's image, built by scripts/image-build, which also checks each image's
+    labels, EO_TOPOLOGY and recorded series digest against what it asked for."""
+    _, env = eng
+    r = run([str(ROOT / "scripts/image-build"), "--base", standin, "--tag", TAG, *TOPOLOGIES], env)
+    assert r.returncode == 0, r.stderr[-6000:]
+    names = r.stdout.split()
+    assert names == [f"{TAG}:{t}" for t in TOPOLOGIES]
+    return dict(zip(TOPOLOGIES, names, strict=True))
+
+
+def series_digest(patches: pathlib.Path = ROOT / "patches") -> str:
+    r = subprocess.run([str(ROOT / "scripts/series-digest"), str(patches)], capture_output=True)
+    return r.stdout.decode().strip()
+
+
+def config(eng, image: str) -> dict:
+    name, env = eng
+    r = run([name, "image", "inspect", image], env)
+    assert r.returncode == 0, r.stderr
+    [doc] = json.loads(r.stdout)
+    return doc["Config"]
+
+
+def in_container(eng, image: str, *cmd: str, entrypoint: str = "") -> subprocess.CompletedProcess:
+    name, env = eng
+    ep = ["--entrypoint", entrypoint] if entrypoint else []
+    return run([name, "run", "--rm", *ep, image, *cmd], env, timeout=600)
+
+
+def test_every_topology_says_what_it_was_built_for(eng, images, standin):
+    """Labels and environment of each image match its own build (a layer cache that kept the
+    previous topology's ENV and LABEL layers would fail here)."""
+    digest = series_digest()
+    for topology, image in images.items():
+        cfg = config(eng, image)
+        labels = cfg["Labels"]
+        assert labels["io.vllm-expert-offload.topology"] == topology
+        assert labels["io.vllm-expert-offload.series.sha256"] == digest
+        assert labels["io.vllm-expert-offload.vllm-image"] == standin
+        assert f"EO_TOPOLOGY={topology}" in cfg["Env"], cfg["Env"]
+        assert cfg["Entrypoint"] == ["/opt/expert-offload/scripts/entrypoint.sh"]
+
+
+def test_the_standin_has_the_upstream_layout(eng, standin):
+    cfg = config(eng, standin)
+    assert cfg["Entrypoint"] == ["vllm", "serve"]
+    assert cfg["WorkingDir"] == "/vllm-workspace"
+    code = "import sysconfig, vllm; print(vllm.__file__, sysconfig.get_paths()['purelib'])"
+    r = in_container(eng, standin, "-c", code, entrypoint="python3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    where, purelib = r.stdout.split()
+    assert purelib.startswith("/usr/local/lib/python3.") and purelib.endswith("/dist-packages")
+    assert where == f"{purelib}/vllm/__init__.py"
+
+
+def test_the_series_is_applied_and_the_patched_vllm_imports(eng, images):
+    image = images["any"]
+    code = (
+        "import pathlib, vllm, vllm.model_executor.layers.fused_moe.expert_offload as eo; "
+        "print(vllm.__version__, pathlib.Path(vllm.__file__).parents[1], eo.__name__)"
+    )
+    r = in_container(eng, image, "-c", code, entrypoint="python3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    version, site, module = r.stdout.strip().splitlines()[-1].split()  # after vLLM's log
+    assert version == "0.29.0" and module.endswith("expert_offload")
+    check = in_container(
+        eng, image, "--check", site, entrypoint="/opt/expert-offload/scripts/apply-patches.sh"
+    )
+    n = len(
+        [
+            line
+            for line in (ROOT / "patches/series").read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
+    )
+    said = check.stdout + check.stderr
+    assert check.returncode == 0, said
+    assert f"already patched: {n} patches of" in said, said
+
+
+@pytest.mark.parametrize("topology", ["2x32GB", "tiny"])
+def test_without_a_gpu_the_preflight_stops_the_container(eng, images, topology):
+    r = in_container(eng, images[topology], "/models/none", "--pipeline-parallel-size", "1")
+    out = r.stdout + r.stderr
+    assert r.returncode == EXIT_GPUS, out[-3000:]
+    assert "OK   vllm:" in out and "series applied" in out
+    assert "FAIL gpus:" in out and "vLLM is not started" in out
+
+
+def test_a_broken_patch_fails_the_build_naming_it(eng, standin, tmp_path):
+    from test_image import break_patch  # the same stale-patch edit as the emulated build's
+
+    context = tmp_path / "context"
+    context.mkdir()
+    for name in ("Dockerfile", ".dockerignore", "vllm.pin"):
+        shutil.copy2(ROOT / name, context / name)
+    for name in ("patches", "scripts", "cold"):
+        shutil.copytree(ROOT / name, context / name, ignore=shutil.ignore_patterns("__pycache__"))
+    names = [
+        line
+        for line in (context / "patches/series").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    broken = names[len(names) // 2]
+    break_patch(context / "patches" / broken)
+    _, env = eng
+    cmd = [str(ROOT / "scripts/image-build"), "--base", standin, "--context", str(context)]
+    r = run([*cmd, "--tag", f"{TAG}-broken", "any"], env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out[-4000:]
+    assert broken in out and "does not apply" in out, out[-4000:]
+    assert "building vllm-expert-offload-test-broken:any failed" in out
+
+
+# --- compose ---------------------------------------------------------------------------------
+
+COMPOSE_FILES = sorted((ROOT / "compose").glob("*.yml"))
+NO_GPU = ROOT / "compose/overrides/no-gpu.yml"
+
+
+def podman_compose(eng) -> list[str]:
+    name, _ = eng
+    if name != "podman":
+        pytest.skip("the compose checks use podman-compose; this engine is docker")
+    exe = pathlib.Path(sys.executable).with_name("podman-compose")
+    assert exe.exists(), "podman-compose is missing from the test environment (scripts/dev-env)"
+    return [str(exe)]
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_implementation_reads_the_file(eng, path, tmp_path):
+    """podman-compose's `config` (a real Compose implementation: interpolation, merging,
+    validation of what it knows) accepts every compose file, and the override with tiny.yml."""
+    _, env = eng
+    files = ["-f", str(path)] + (["-f", str(NO_GPU)] if path.name == "tiny.yml" else [])
+    r = run([*podman_compose(eng), *files, "config"], env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "services:" in r.stdout
+
+
+def test_tiny_compose_comes_up_to_the_preflight_gpu_stop(eng, images, standin):
+    """compose/tiny.yml with the no-GPU override: the image it names (built above), the tiny
+    model made at the first start, then the preflight stops the service at its GPU check."""
+    name, env = eng
+    env = {**env, "VLLM_IMAGE": standin, "PORT": "18731"}
+    project = ["-p", "eo-tiny-test", "-f", str(ROOT / "compose/tiny.yml"), "-f", str(NO_GPU)]
+    # the compose file names vllm-expert-offload:tiny; the fixture's build is tagged as that
+    r = run([name, "tag", images["tiny"], "vllm-expert-offload:tiny"], env)
+    assert r.returncode == 0, r.stderr
+    pc = podman_compose(eng)
+    try:
+        r = run(
+            [*pc, *project, "up", "--abort-on-container-exit", "--exit-code-from", "vllm"],
+            env,
+            timeout=900,
+        )
+        out = r.stdout + r.stderr
+        assert "FAIL gpus:" in out and "vLLM is not started" in out, out[-5000:]
+        assert "OK   cold-file: tiny-cold.json" in out, out[-5000:]
+        assert r.returncode == EXIT_GPUS, out[-5000:]
+    finally:
+        run([*pc, *project, "down", "-v"], env, timeout=300)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Expert offload metrics (patch 0010) on the CPU: worker ranks publish snapshots into
+"""Expert offload metrics (patch 0011) on the CPU: worker ranks publish snapshots into
 VLLM_EXPERT_METRICS_DIR, the API server's /metrics exposes them under the documented names
 (the ones scripts/bench reads), `vllm serve` makes the folder only when offload is on, and
 the runtime swap's counters reach the snapshot without a wait on the device.

@@ -38,7 +38,7 @@ def vllm_context():
 def _forget_layers() -> None:
     """Unregister every layer the tests built (the forward context holds each by name), so
     that it is freed now: left there, a layer was freed when a later test built one of
-    the same name, in the middle of that test's memory accounting (session l)."""
+    the same name, in the middle of that test's memory accounting."""
     from vllm.config import get_current_vllm_config
 
     context = get_current_vllm_config().compilation_config.static_forward_context
@@ -272,7 +272,7 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
         loading; torch's allocated bytes they hold, its reserved bytes once the cache is
         emptied; a snapshot. Layers of earlier builds and tests are freed first: freed in
         the middle of a build, they made its layers seem to hold less than their own
-        experts (sessions k and l)."""
+        experts (seen on an H200, 2026-12-01 and 2026-12-02)."""
         _forget_layers()
         torch.cuda.empty_cache()
         base, reserved = _cuda_allocated(), torch.cuda.memory_reserved()
@@ -280,7 +280,7 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
             model = []
             for n in range(layers):
                 # each layer's router gate, made just before its experts as in Qwen3-MoE:
-                # a 2.5 MiB tensor that shares its 20 MiB segment with them (session m)
+                # a 2.5 MiB tensor that shares its 20 MiB segment with them
                 gate = torch.empty(512, 2560, dtype=torch.bfloat16, device="cuda")
                 model.append(_load(512, 10, "int4", weights, cold_ids, tmp_path, n))
                 model[-1].test_router_gate = gate

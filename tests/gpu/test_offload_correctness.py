@@ -118,7 +118,7 @@ def int4_unpatched(int4_model):
     by side on the GPU, the first alone until it has filled a cold compile cache: what an
     engine computes does not depend on what else runs on the GPU (each is its own process,
     and the kernels' launch shapes depend on the device, not on its load), and one after
-    another they took 388-574 s of a GPU session (sessions i and j)."""
+    another they took 388-574 s of a GPU host's lease."""
     # vLLM's start-up check of free GPU memory, for five engines at once
     share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or round(1 / len(UNPATCHED_RUNS), 2))
     members = [
@@ -192,7 +192,7 @@ def test_int4_one_table_matches_unpatched(int4_model, int4_cold_file, int4_unpat
     run = _run(f"int4-onetable-swap-{swap}-2048", int4_model, True, 2048, env, stress_steps=stress)
     assert run["memory"]["one_table_layers"] == run["memory"]["moe_layers"]
     assert run["memory"]["expert_host_bytes"] > 0
-    # every GPU row of every tensor in VRAM (before 2026-12-01 session e's fix: 64 a layer)
+    # every GPU row of every tensor in VRAM (before the 2026-12-01 fix: 64 a layer)
     assert run["memory"]["one_table_gpu_rows_in_host_memory"] == 0
     gh.log(f"int4 one table, swap {swap}: {json.dumps(run['swap'])}")
     if swap == "off":

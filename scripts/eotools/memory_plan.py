@@ -49,6 +49,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from eotools.ple_table import _primes_after
+
 from .selection import GiB, SelectionError, stage_layers
 from .topologies import TOPOLOGIES
 
@@ -83,40 +85,9 @@ class PlanError(ValueError):
 # --- the model ------------------------------------------------------------------------------
 
 
-def _is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin for n < 3.3e24 (bases: the first 13 primes)."""
-    if n < 2:
-        return False
-    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
-    for p in small:
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        s += 1
-    for a in small:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
 def primes_above(base: int, count: int) -> list[int]:
-    """The first `count` primes >= base, in order."""
-    out: list[int] = []
-    n = base
-    while len(out) < count:
-        if _is_prime(n):
-            out.append(n)
-        n += 1
-    return out
+    """The first `count` primes >= base, in order (shared with the PLE table sizing)."""
+    return _primes_after(base - 1, count)
 
 
 def ngram_table_rows(vocab_base: int, heads: int, dense_layer_id: int, divisible_by: int) -> int:

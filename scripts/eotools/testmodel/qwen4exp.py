@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ple_table import _primes_after
 from .plant import CONTEXT_VALUE, EOS_ID, TOPIC_VALUE, Plan
 from .weights import GROUP, TensorFactory
 
@@ -87,27 +88,12 @@ class Qwen4ExpShape:
         return (self.ngram_size - 1) * self.heads_per_ngram
 
 
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    f = 2
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 1
-    return True
-
-
 def ngram_rows(shape: Qwen4ExpShape, dense_id: int) -> int:
     """Rows of one PLE layer's n-gram table as vLLM sizes it (nvidia/ple_layer.py): head h of
     PLE layer d holds the (d * heads + h + 1)-th prime >= ngram_vocab_size_base rows; the sum
     is padded to a multiple of ngram_divisible_by."""
     wanted = (dense_id + 1) * shape.ngram_heads
-    primes, n = [], shape.ngram_vocab_size_base
-    while len(primes) < wanted:
-        if _is_prime(n):
-            primes.append(n)
-        n += 1
+    primes = _primes_after(shape.ngram_vocab_size_base - 1, wanted)
     total = sum(primes[dense_id * shape.ngram_heads :])
     d = shape.ngram_divisible_by
     return -(-total // d) * d

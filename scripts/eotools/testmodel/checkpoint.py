@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from . import data, qwen4exp, tokenizer
 from .plant import EOS_ID, Plan
-from .weights import GROUP, TensorFactory, to_checkpoint_dtype
+from .weights import TensorFactory, gptq_config, to_checkpoint_dtype
 
 FORMAT = "eo-synthetic-model/1"
 MAX_POSITIONS = 40960
@@ -54,15 +54,7 @@ def hf_config(plan: Plan, quant: str) -> dict:
         "eos_token_id": EOS_ID,
     }
     if quant == "int4":
-        cfg["quantization_config"] = {
-            "quant_method": "gptq",
-            "bits": 4,
-            "group_size": GROUP,
-            "sym": True,
-            "desc_act": False,
-            "checkpoint_format": "gptq",
-            "lm_head": False,
-        }
+        cfg["quantization_config"] = gptq_config()
     return cfg
 
 

@@ -35,7 +35,7 @@ import torch
 
 from ..ple_table import _primes_after
 from .plant import CONTEXT_VALUE, EOS_ID, TOPIC_VALUE, Plan
-from .weights import GROUP, TensorFactory
+from .weights import TensorFactory, gptq_config
 
 ARCHITECTURE = "Qwen4ExpForCausalLM"
 # What each non-planted writer (attention or Gated DeltaNet output, shared expert, PLE) adds
@@ -166,15 +166,7 @@ def hf_config(plan: Plan, shape: Qwen4ExpShape, quant: str, max_positions: int) 
     if quant == "int4":
         # vLLM infers the quantised modules from the safetensors dtypes: the routed experts
         # (model and MTP) only; everything else is BF16 and stays unquantised
-        cfg["quantization_config"] = {
-            "quant_method": "gptq",
-            "bits": 4,
-            "group_size": GROUP,
-            "sym": True,
-            "desc_act": False,
-            "checkpoint_format": "gptq",
-            "lm_head": False,
-        }
+        cfg["quantization_config"] = gptq_config()
     return cfg
 
 

@@ -30,6 +30,22 @@ from .plant import (
 )
 
 GROUP = 128
+
+
+def gptq_config() -> dict:
+    """config.json's quantization_config for the INT4 experts: GPTQ v1 packing, symmetric,
+    group GROUP, which vLLM 0.29.0 sends to Marlin."""
+    return {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "sym": True,
+        "desc_act": False,
+        "checkpoint_format": "gptq",
+        "lm_head": False,
+    }
+
+
 NIBBLE_STD = math.sqrt(sum(v * v for v in range(-7, 8)) / 15)  # nibbles 1..15 -> values -7..7
 DTYPE = torch.bfloat16
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")

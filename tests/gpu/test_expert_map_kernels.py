@@ -84,17 +84,13 @@ def _build(num_experts, top_k, quant, weights, cold_ids, tmp_path):
     return experts
 
 
-def _load(num_experts, top_k, quant, weights, cold_ids, tmp_path, layer: int = 1):
-    """MoE layer ``layer`` built (split by ``cold_ids`` on host, if given) and its
-    checkpoint loaded, not yet repacked: vLLM loads every layer before it processes any."""
-    from vllm.config import get_current_vllm_config
+def _set_up_layer(tmp_path, layer, num_experts, cold_ids, quant):
+    """Before a MoE layer is built: a cold file naming `cold_ids` of `layer` in
+    VLLM_EXPERT_COLD_FILE (none for the unsplit layer), a fresh planner, and the INT4
+    layer's GPTQ config (None for BF16)."""
     from vllm.model_executor.layers.fused_moe.expert_offload import planner
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
 
-    prefix = PREFIX.replace(".1.", f".{layer}.")
-    # the full and the split layer share a name; vLLM refuses a layer name it has seen
-    get_current_vllm_config().compilation_config.static_forward_context.pop(prefix, None)
     os.environ.pop("VLLM_EXPERT_COLD_FILE", None)
     if cold_ids is not None:
         path = tmp_path / f"cold-{quant}-{layer}.json"
@@ -110,11 +106,24 @@ def _load(num_experts, top_k, quant, weights, cold_ids, tmp_path, layer: int = 1
         )
         os.environ["VLLM_EXPERT_COLD_FILE"] = str(path)
     planner.reset_planner()
-    qc = None
-    if quant == "int4":
-        qc = AutoGPTQConfig.from_config(
-            {"bits": 4, "group_size": GROUP, "sym": True, "desc_act": False, "lm_head": False}
-        )
+    if quant != "int4":
+        return None
+    return AutoGPTQConfig.from_config(
+        {"bits": 4, "group_size": GROUP, "sym": True, "desc_act": False, "lm_head": False}
+    )
+
+
+def _load(num_experts, top_k, quant, weights, cold_ids, tmp_path, layer: int = 1):
+    """MoE layer ``layer`` built (split by ``cold_ids`` on host, if given) and its
+    checkpoint loaded, not yet repacked: vLLM loads every layer before it processes any."""
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.expert_offload import planner
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    prefix = PREFIX.replace(".1.", f".{layer}.")
+    # the full and the split layer share a name; vLLM refuses a layer name it has seen
+    get_current_vllm_config().compilation_config.static_forward_context.pop(prefix, None)
+    qc = _set_up_layer(tmp_path, layer, num_experts, cold_ids, quant)
     with torch.device("cuda"):
         runner = FusedMoEFactory(
             num_experts=num_experts,

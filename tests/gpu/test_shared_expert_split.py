@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 from eotools import gpu_harness as gh
-from test_expert_map_kernels import GROUP, H, N, _checkpoint, _forget_layers, _process
+from test_expert_map_kernels import H, N, _checkpoint, _forget_layers, _process, _set_up_layer
 
 pytestmark = pytest.mark.gpu
 
@@ -90,32 +90,11 @@ def _runner(layer, num_experts, top_k, quant, weights, cold_ids, tmp_path, share
     """A MoE layer as Qwen3NextSparseMoeBlock builds it (router gate in the runner, gated
     shared expert, renormalised top-k), split by ``cold_ids`` if given, loaded and
     processed."""
-    import json
 
     from vllm.model_executor.layers.fused_moe.expert_offload import planner
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
-    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
 
-    os.environ.pop("VLLM_EXPERT_COLD_FILE", None)
-    if cold_ids is not None:
-        path = tmp_path / f"cold-{quant}-{layer}.json"
-        path.write_text(
-            json.dumps(
-                {
-                    "format": "vllm-expert-offload/cold-set",
-                    "version": 1,
-                    "model": {"name": "shared-expert-test", "num_experts": num_experts},
-                    "layers": {str(layer): sorted(cold_ids)},
-                }
-            )
-        )
-        os.environ["VLLM_EXPERT_COLD_FILE"] = str(path)
-    planner.reset_planner()
-    qc = None
-    if quant == "int4":
-        qc = AutoGPTQConfig.from_config(
-            {"bits": 4, "group_size": GROUP, "sym": True, "desc_act": False, "lm_head": False}
-        )
+    qc = _set_up_layer(tmp_path, layer, num_experts, cold_ids, quant)
     with torch.device("cuda"):
         runner = FusedMoEFactory(
             num_experts=num_experts,

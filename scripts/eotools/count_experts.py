@@ -39,6 +39,7 @@ import numpy as np
 
 from .coldset import model_identity
 from .counts import Counts, CountsError, load_counts, merge_ranks, subtract
+from .devtools import dev_module
 
 EPILOG = """exit codes: 0 counted; 1 bad input (missing or empty data set, unknown source,
 a model that is not a make-test-model checkpoint for --source synthetic, a server that does
@@ -62,11 +63,10 @@ def synthetic_counts(
 ) -> Counts:
     """Picks of the planted routers over the data set's prompts (prefill) and over the
     model's greedy continuation of each (decode steps)."""
+    plant = dev_module("testmodel.plant", "--source synthetic")
     from tokenizers import Tokenizer
 
-    from .testmodel.plant import load_plan
-
-    plan = load_plan(model_dir)  # --source synthetic counts only make-test-model checkpoints
+    plan = plant.load_plan(model_dir)  # --source synthetic counts only make-test-model checkpoints
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     seqs = read_dataset(path)
     if not seqs:

@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eotools.ple_table import _primes_after
-
+from .envsubst import substitute
+from .ple_table import _primes_after
 from .selection import GiB, SelectionError, stage_layers
 from .topologies import TOPOLOGIES
 
@@ -499,10 +499,9 @@ def usable_vram_bytes(vram_gib: float) -> int:
 
 def read_compose(path: pathlib.Path) -> dict[str, Any]:
     """The serving settings of a compose file (defaults of its ${VAR:-default} taken)."""
-    from .dockerfile import substitute
-    from .schemas import load_yaml
+    import yaml
 
-    doc = load_yaml(path)
+    doc = yaml.safe_load(path.read_text())
     [svc] = doc["services"].values()
     args = [substitute(str(a), {}) for a in svc.get("command", [])]
     env = {k: substitute(str(v), {}) for k, v in (svc.get("environment") or {}).items()}

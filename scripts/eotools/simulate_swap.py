@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .coldcheck import REMAKE, ColdFileError, load_cold_file
+from .devtools import DevToolsMissing, dev_module
 from .swap_policy import SwapPolicy, simulate
 
 EPILOG = """Picks come from a recorded file (--picks: .npy or .npz array 'picks' of shape
@@ -30,10 +31,8 @@ def synthetic_picks(
 ) -> Iterator[np.ndarray]:
     """Decode-step picks of `conversations` held-out conversations of one domain, back to
     back (the swap state carries over between them, as in a server)."""
-    from .testmodel import data
-    from .testmodel.plant import load_plan
-
-    plan = load_plan(model_dir)
+    data = dev_module("testmodel.data", "--model with --domain")
+    plan = dev_module("testmodel.plant", "--model with --domain").load_plan(model_dir)
     for conv in data.conversations(plan, domain, "heldout", conversations, words, seed=seed):
         seq = np.array(
             list(conv.token_ids) + data.greedy_continuation(plan, conv.token_ids, decode)
@@ -137,16 +136,25 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         workloads = {args.picks.name: arr.astype(np.int64)}
     elif args.model and args.domain:
-        workloads = {
-            d: np.stack(
-                list(
-                    synthetic_picks(
-                        args.model, d, args.conversations, args.words, args.decode_tokens, args.seed
+        try:
+            workloads = {
+                d: np.stack(
+                    list(
+                        synthetic_picks(
+                            args.model,
+                            d,
+                            args.conversations,
+                            args.words,
+                            args.decode_tokens,
+                            args.seed,
+                        )
                     )
                 )
-            )
-            for d in args.domain
-        }
+                for d in args.domain
+            }
+        except DevToolsMissing as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     else:
         print("error: give --picks, or --model with --domain", file=sys.stderr)
         return 1

@@ -56,7 +56,7 @@ class _FakeLLM:
 
 
 def test_decode_ab_alternates_the_variants_and_restores_the_settings(monkeypatch):
-    from eotools import engine_probe
+    from eodev import engine_probe
     from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
 
     start = swap_runtime.SwapSettings(8, 512.0, 2.0)
@@ -86,7 +86,7 @@ def test_decode_ab_alternates_the_variants_and_restores_the_settings(monkeypatch
 
 
 def test_decode_ab_refuses_an_engine_without_runtime_swap(monkeypatch):
-    from eotools import engine_probe
+    from eodev import engine_probe
     from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
 
     monkeypatch.setattr(swap_runtime, "get_runtime", lambda: None)

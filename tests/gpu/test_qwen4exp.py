@@ -3,7 +3,7 @@
 INT4: PLE, hyper-connections, QSA, Gated DeltaNet, 512 experts top-10 with the gated shared
 expert), PP=1, CUDA graphs on: offload-01, offload-02, one table, one table with the runtime
 swap, each with the counting hook on, against the unpatched engine: greedy tokens identical and
-logprob differences within the unpatched engine's own noise (`eotools.logprob_noise`: twice
+logprob differences within the unpatched engine's own noise (`eodev.logprob_noise`: twice
 that where the kernel's sums are reordered by design). The shared expert's output is in every
 token (its down projection writes the token subspace the LM head reads). And the PLE table in
 host memory (VLLM_PLE_TABLE=host) against the same patched engine with it in VRAM (gpu): the
@@ -26,9 +26,9 @@ import re
 import numpy as np
 import pytest
 from conftest import heldout_prompts, plan_of
-from eotools import gpu_harness as gh
-from eotools import logprob_noise as lp
-from eotools.testmodel import data
+from eodev import gpu_harness as gh
+from eodev import logprob_noise as lp
+from eodev.testmodel import data
 
 pytestmark = pytest.mark.gpu
 DECODE = 48
@@ -55,7 +55,7 @@ def model() -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def cold_file(model) -> pathlib.Path:
-    from eotools.coldset import synthetic_cold_file
+    from eodev.synthetic_cold import synthetic_cold_file
 
     out = gh.WORK / f"cold-{model.name}.json"
     if not out.exists():

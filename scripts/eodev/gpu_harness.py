@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared by GPU tests and benchmarks: test models, cold files and engine runs on a GPU host.
 
-Engine runs go through eotools.engine_probe in a fresh process per configuration, with the
+Engine runs go through eodev.engine_probe in a fresh process per configuration, with the
 unpatched or the patched vLLM first on PYTHONPATH:
 
 - EO_VLLM_SITE: site folder with the pinned vLLM and its dependencies (unpatched);
@@ -121,7 +121,7 @@ class _Run:
         return {**json.loads(self.result_file.read_text()), "log_file": str(self.log_file)}
 
 
-_PROBE = [sys.executable, "-m", "eotools.engine_probe"]
+_PROBE = [sys.executable, "-m", "eodev.engine_probe"]
 
 
 def run_engine(

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run one vLLM engine configuration in this process and record what it did.
 
-    python3 -m eotools.engine_probe CONFIG.json RESULT.json
+    python3 -m eodev.engine_probe CONFIG.json RESULT.json
 
 Each configuration runs in its own process (GPU tests and benchmarks start one per config), so
 environment variables such as VLLM_EXPERT_COLD_FILE are set before vLLM is imported and every

@@ -36,15 +36,15 @@ import subprocess
 import sys
 
 import numpy as np
+from eotools.selection import expert_bytes
 
 from . import gpu_harness as gh
 from .bench.configs import parse_spec
 from .bench.sweep import plot_sweep, sweep_lines
 from .bench.uva_budget import budget_for, offload_boundaries
-from .coldset import synthetic_cold_file
 from .engine_probe import expert_block_slack
 from .nvsmi import gpu_name
-from .selection import expert_bytes
+from .synthetic_cold import synthetic_cold_file
 from .testmodel import data
 from .testmodel.plant import Plan, load_plan
 

@@ -543,7 +543,7 @@ def _timed_request(engine, rid: str, prompt: list[int], params) -> tuple[float, 
 
 
 def _decode_timing(llm, task: dict) -> dict:
-    """Per-token timestamps of one stream at a time, by stepping the engine (SPEC section 7:
+    """Per-token timestamps of one stream at a time, by stepping the engine (docs/benchmarks.md:
     TTFT = t1 - t0, TPOT = (tN - t1) / (N - 1), decode speed = (N - 1) / (tN - t1))."""
 
     engine = llm.llm_engine

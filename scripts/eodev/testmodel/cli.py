@@ -16,7 +16,7 @@ from .plant import Geometry, Plan, Planting
 from .stats import calibration_report
 
 PRESETS = {
-    # the target model's expert geometry (SPEC section 1) with fewer layers
+    # the target model's expert geometry (Qwen3.8-Flash-Next) with fewer layers
     "target": Geometry(),
     # small enough for CPU tests; same experts, top-k and planted routing as "target"
     "tiny": Geometry(

@@ -2,7 +2,8 @@
 """The two tool packages: eotools ships in the image and runs there without torch, vLLM or the
 development tools; eodev (benchmarks, test models, GPU harness) may use eotools, never the
 other way round. The build context (.dockerignore) holds eotools and the entry points that
-use it, each of which runs from that context alone."""
+use it, and of eodev only the test-model generator that compose/tiny.yml runs; each tool in
+it runs from that context alone."""
 
 from __future__ import annotations
 
@@ -74,10 +75,9 @@ def test_shipped_modules_need_no_torch_vllm_or_eodev_at_import(context):
     assert len(names) >= 15  # the preflight, budget start, cold-set tools, ...
 
 
-def test_the_context_ships_eotools_and_no_development_tool(context):
+def test_the_context_ships_eotools_and_only_the_test_model_of_eodev(context):
     scripts = context / "scripts"
     assert (scripts / "eotools/preflight.py").is_file()
-    assert not (scripts / "eodev").exists()
     assert {p.name for p in scripts.iterdir()} >= {
         "entrypoint.sh",
         "apply-patches.sh",
@@ -86,9 +86,27 @@ def test_the_context_ships_eotools_and_no_development_tool(context):
         "budget-start",
         "select-cold-set",
         "count-experts",
+        "prepare-tiny-model",  # compose/tiny.yml's first start
     }
-    for dev in ("bench", "make-test-model", "test", "dev-env", "bench-offload", "image-build"):
-        assert not (scripts / dev).exists(), dev
+    dev = {p.relative_to(scripts / "eodev").parts[0] for p in (scripts / "eodev").rglob("*.py")}
+    assert dev == {"__init__.py", "tiny_model.py", "synthetic_cold.py", "testmodel"}, dev
+    for tool in ("bench", "make-test-model", "test", "dev-env", "bench-offload", "image-build"):
+        assert not (scripts / tool).exists(), tool
+
+
+def test_the_tiny_services_model_maker_imports_from_the_context(context):
+    """compose/tiny.yml runs prepare-tiny-model in the image: every module it reaches is
+    there (torch, safetensors and tokenizers are the image's)."""
+    code = "import eodev.tiny_model, eodev.synthetic_cold, eodev.testmodel.cli\n"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=context / "scripts",
+        env={**os.environ, "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def shipped_tools(context: pathlib.Path) -> list[str]:
@@ -101,12 +119,13 @@ def shipped_tools(context: pathlib.Path) -> list[str]:
 
 def test_every_shipped_tool_runs_from_the_context_alone(context):
     """`--help` of each Python entry point in the context, with torch, vLLM and eodev
-    unimportable: what the image can run, it runs without the development tools."""
+    unimportable (prepare-tiny-model: vLLM): the image's tools need neither."""
     tools = shipped_tools(context)
     assert len(tools) >= 6, tools
     for tool in tools:
+        blocked = BLOCKED if tool != "prepare-tiny-model" else ("vllm",)
         code = (
-            BLOCK.format(blocked=BLOCKED)
+            BLOCK.format(blocked=blocked)
             + f"sys.argv = [{tool!r}, '--help']\n"
             + f"import runpy; runpy.run_path({str(context / 'scripts' / tool)!r}, "
             + "run_name='__main__')\n"
@@ -125,16 +144,18 @@ def test_every_shipped_tool_runs_from_the_context_alone(context):
 
 def test_the_synthetic_source_says_what_it_needs_without_eodev(context, tmp_path):
     """count-experts --source synthetic reads a make-test-model checkpoint's planted routers
-    (eodev); run from the context, as in the image, it stops with a message and exit 1."""
+    (eodev); with eotools on its own it stops with a message and exit 1."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"num_hidden_layers": 2, "num_experts": 4}')
     data = tmp_path / "chat.txt"
     data.write_text("hello\n\nworld\n")
+    alone = tmp_path / "alone"  # the context less eodev: eotools copied on its own
+    shutil.copytree(context, alone, ignore=shutil.ignore_patterns("eodev"))
     r = subprocess.run(
         [
             sys.executable,
-            str(context / "scripts/count-experts"),
+            str(alone / "scripts/count-experts"),
             "--source",
             "synthetic",
             "--model",

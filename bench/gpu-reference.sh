@@ -16,6 +16,9 @@
 #   host-read  the cost of one host-resident expert read, by path
 #   profile    offload-03-swap beside its unpatched engine, each profiled alone
 #   serve      compose/tiny.yml's service without a container engine, with a short benchmark
+#   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
+#              (tests/gpu/test_qwen4exp_pp2.py), and compose/2x32GB.yml's command line served
+#              with it, twice: a budget-only start, then the start that uses what it learned
 #
 # Results go to R (default /tmp/eo-out), one folder per part with its logs, summary.txt, the
 # report (JSON, Markdown, plots) and the engine runs packed as runs.tgz; R/PART.done marks a
@@ -78,13 +81,21 @@ run_part() {
       part profile "bench:${HOST10[*]} --host-layers 0,1 --configs unpatched,offload-03-swap --paired --profile --decode-tokens 256 --repeats 1 --host-read-us 55.5 --out OUT/profile.json"
       ;;
     serve) part serve 'serve:--attention-backend TRITON_ATTN --gpu-memory-utilization 0.1' ;;
+    pp2)
+      local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
+      scripts/gpu-suite --budget-s 120 --out "$R/pp2-model" \
+        'model:qwen4exp-tiny-int4:--arch qwen4_exp --preset tiny --quant int4' || return 1
+      part pp2 "tests:tests/gpu/test_qwen4exp_pp2.py -rA -s" \
+        "serve:--compose compose/2x32GB.yml --model $q4 ${small[*]} --attention-backend TRITON_ATTN" \
+        "serve:--compose compose/2x32GB.yml --model $q4 ${small[*]} --attention-backend TRITON_ATTN"
+      ;;
   esac
 }
 
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2

@@ -25,6 +25,18 @@ BLOCKED = ("torch", "vllm", "eodev", "transformers", "tokenizers")
 BLOCK = "import sys\nfor m in {blocked!r}:\n    sys.modules[m] = None\n"
 
 
+def run_python(code: str, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter in `cwd`, with no PYTHONPATH of this test run."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def module_imports(path: pathlib.Path) -> list[tuple[str, bool]]:
     """(module, at top level) for every import statement of a file."""
     tree = ast.parse(path.read_text())
@@ -63,14 +75,7 @@ def test_shipped_modules_need_no_torch_vllm_or_eodev_at_import(context):
     torch, vLLM, transformers, tokenizers and eodev made unimportable."""
     names = sorted(p.stem for p in SHIPPED.glob("*.py") if p.stem != "__init__")
     code = BLOCK.format(blocked=BLOCKED) + "".join(f"import eotools.{n}\n" for n in names)
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=context / "scripts",
-        env={**os.environ, "PYTHONPATH": ""},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_python(code, context / "scripts")
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(names) >= 15  # the preflight, budget start, cold-set tools, ...
 
@@ -98,14 +103,7 @@ def test_the_tiny_services_model_maker_imports_from_the_context(context):
     """compose/tiny.yml runs prepare-tiny-model in the image: every module it reaches is
     there (torch, safetensors and tokenizers are the image's)."""
     code = "import eodev.tiny_model, eodev.synthetic_cold, eodev.testmodel.cli\n"
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=context / "scripts",
-        env={**os.environ, "PYTHONPATH": ""},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_python(code, context / "scripts")
     assert r.returncode == 0, r.stderr[-3000:]
 
 
@@ -130,14 +128,7 @@ def test_every_shipped_tool_runs_from_the_context_alone(context):
             + f"import runpy; runpy.run_path({str(context / 'scripts' / tool)!r}, "
             + "run_name='__main__')\n"
         )
-        r = subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=context,
-            env={**os.environ, "PYTHONPATH": ""},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = run_python(code, context)
         assert r.returncode == 0, f"{tool} --help: {r.stderr[-2000:]}"
         assert "usage:" in r.stdout, tool
 

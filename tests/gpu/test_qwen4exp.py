@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -135,17 +136,22 @@ def _members(cold: pathlib.Path) -> dict[str, tuple[bool, dict, bool, int]]:
 COUNTED = ("q4-offload01", "q4-offload02", "q4-onetable", "q4-onetable-swap")
 
 
-@pytest.fixture(scope="module")
-def runs(model, cold_file) -> dict[str, dict]:
-    """Every engine of this file, side by side; the first two (one unpatched, one patched)
-    alone until they have started, so that each compile cache is filled once."""
-    members = _members(cold_file)
-    share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.08)
+def run_side_by_side(
+    model: pathlib.Path,
+    members: dict[str, tuple[bool, dict, bool, int]],
+    count_files: dict[str, pathlib.Path],
+    share: float,
+    engine_of: Callable[[str], dict] = lambda name: {},
+) -> dict[str, dict]:
+    """Engines (name -> patched, env, rebatched, swap stress steps) side by side, each with
+    this file's tasks and engine settings (plus `engine_of(name)`); those in `count_files`
+    count their picks into that file (its folder emptied first). The first two (one
+    unpatched, one patched) start alone, so that each compile cache is filled once."""
     group, prompts = [], {}
     for name, (patched, env, rebatched, stress) in members.items():
         env = dict(env)
-        if name in COUNTED:
-            path = _count_file(name)
+        if name in count_files:
+            path = count_files[name]
             path.parent.mkdir(parents=True, exist_ok=True)
             for old in path.parent.iterdir():
                 old.unlink()
@@ -158,6 +164,7 @@ def runs(model, cold_file) -> dict[str, dict]:
                 max_num_batched_tokens=CHUNK,
                 kv_cache_memory_bytes=KV_BYTES,
                 gpu_memory_utilization=share,
+                **engine_of(name),
             ),
             "tasks": _tasks(model, rebatched, stress),
         }
@@ -167,6 +174,14 @@ def runs(model, cold_file) -> dict[str, dict]:
     failed = [f"{m[0]}: {r}" for m, r in zip(group, out, strict=True) if isinstance(r, Exception)]
     assert not failed, "\n\n".join(failed)
     return {name: {**res, "prompts": prompts[name]} for name, res in zip(members, out, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def runs(model, cold_file) -> dict[str, dict]:
+    """Every engine of this file, side by side."""
+    share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.08)
+    counted = {name: _count_file(name) for name in COUNTED}
+    return run_side_by_side(model, _members(cold_file), counted, share)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import pathlib
 import pytest
 from eodev import gpu_harness as gh
 from eodev import logprob_noise as lp
-from test_qwen4exp import CHUNK, KV_BYTES, SWAP_ENV, SWAP_STRESS_STEPS, _tasks, cold_file, model
+from test_qwen4exp import SWAP_ENV, SWAP_STRESS_STEPS, cold_file, model, run_side_by_side
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multi_gpu]
 __all__ = ["cold_file", "model"]  # the fixtures, shared with test_qwen4exp.py
@@ -40,19 +40,18 @@ def _count_dir(name: str) -> pathlib.Path:
     return gh.WORK / "runs" / "qwen4exp-pp2-counts" / name
 
 
-# name -> (patched, pipeline parallel size, env, rebatched, swap stress steps)
-def _members(cold: pathlib.Path) -> dict[str, tuple[bool, int, dict, bool, int]]:
+# name -> (patched, env, rebatched, swap stress steps); PP=2 unless named in PP1
+def _members(cold: pathlib.Path) -> dict[str, tuple[bool, dict, bool, int]]:
     c = str(cold)
     host = {"VLLM_PLE_TABLE": "host"}
     return {
-        "pp-unpatched": (False, 1, {}, False, 0),
-        "pp-unpatched-again": (False, 1, {}, False, 0),
-        "pp-unpatched-rebatched": (False, 1, {}, True, 0),
-        "pp2-series": (True, 2, host, False, 0),
-        "pp2-offload02": (True, 2, {**host, "VLLM_EXPERT_COLD_FILE": c}, False, 0),
+        "pp-unpatched": (False, {}, False, 0),
+        "pp-unpatched-again": (False, {}, False, 0),
+        "pp-unpatched-rebatched": (False, {}, True, 0),
+        "pp2-series": (True, host, False, 0),
+        "pp2-offload02": (True, {**host, "VLLM_EXPERT_COLD_FILE": c}, False, 0),
         "pp2-onetable-swap": (
             True,
-            2,
             {**host, "VLLM_EXPERT_COLD_FILE": c, **SWAP_ENV},
             False,
             SWAP_STRESS_STEPS,
@@ -60,40 +59,21 @@ def _members(cold: pathlib.Path) -> dict[str, tuple[bool, int, dict, bool, int]]
     }
 
 
+PP1 = ("pp-unpatched", "pp-unpatched-again", "pp-unpatched-rebatched")  # upstream: no PP+PLE
 COUNTED = ("pp2-offload02", "pp2-onetable-swap")
 
 
 @pytest.fixture(scope="module")
 def runs(model, cold_file) -> dict[str, dict]:
-    members = _members(cold_file)
     share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.1)
-    group, prompts = [], {}
-    for name, (patched, pp, env, rebatched, stress) in members.items():
-        env = dict(env)
-        if name in COUNTED:
-            folder = _count_dir(name)
-            folder.mkdir(parents=True, exist_ok=True)
-            for old in folder.iterdir():
-                old.unlink()
-            env["VLLM_EXPERT_COUNT_FILE"] = str(folder / "counts.json")
-            env["VLLM_EXPERT_COUNT_INTERVAL_S"] = "0"
-        config = {
-            "model": str(model),
-            "env": env,
-            "engine": gh.engine(
-                max_num_batched_tokens=CHUNK,
-                kv_cache_memory_bytes=KV_BYTES,
-                gpu_memory_utilization=share,
-                pipeline_parallel_size=pp,
-            ),
-            "tasks": _tasks(model, rebatched, stress),
-        }
-        prompts[name] = {t["name"]: t["prompts"] for t in config["tasks"]}
-        group.append((name, config, patched, None))
-    out = gh.run_engine_group(group, stagger=2)
-    failed = [f"{m[0]}: {r}" for m, r in zip(group, out, strict=True) if isinstance(r, Exception)]
-    assert not failed, "\n\n".join(failed)
-    return {name: {**res, "prompts": prompts[name]} for name, res in zip(members, out, strict=True)}
+    counted = {name: _count_dir(name) / "counts.json" for name in COUNTED}
+    return run_side_by_side(
+        model,
+        _members(cold_file),
+        counted,
+        share,
+        lambda name: {"pipeline_parallel_size": 1 if name in PP1 else 2},
+    )
 
 
 @pytest.fixture(scope="module")

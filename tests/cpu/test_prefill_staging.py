@@ -5,7 +5,7 @@ replaced by recorders. Checks which layer is copied into which slot and when (on
 ahead, a slot reused only after the kernels queued before it, nothing copied again that a
 slot still holds), that the kernel's view holds exactly the host table's weights, the
 threshold and CUDA-graph capture, and the refusals. The copies' overlap and speed need a GPU
-(tests/gpu/test_prefill_staging.py).
+(tests/gpu/test_prefill_staging_gpu.py).
 
     scripts/test tests/cpu/test_prefill_staging.py
 """

@@ -5,7 +5,7 @@ and logprobs exactly (prompt and decode, prefill chunks of 512 and 2048 tokens s
 not), and the unpatched engine's tokens. The start-up line states the slots' VRAM. TTFT of the
 three engines is logged for the record; the speed result comes from `bench-offload`.
 
-    scripts/test-gpu tests/gpu/test_prefill_staging.py -s
+    scripts/test-gpu tests/gpu/test_prefill_staging_gpu.py -s
 """
 
 from __future__ import annotations

@@ -255,6 +255,16 @@ def run_engine_group(
         relay.join(timeout=10)
         for lf in logs:
             lf.close()
+    out = _group_results(runs, codes, late, timeout)
+    log(f"engine runs {', '.join(names)} (side by side) done in {time.time() - t0:.0f} s")
+    return out
+
+
+def _group_results(
+    runs: list[_Run], codes: list[int], late: set[int], timeout: float
+) -> list[dict | RuntimeError]:
+    """Each side-by-side engine's result from its exit code, or the RuntimeError that says
+    why there is none; an engine killed at the deadline after writing its result keeps it."""
     out: list[dict | RuntimeError] = []
     for i, (run, code) in enumerate(zip(runs, codes, strict=True)):
         if i in late and run.result_file.exists():  # it had finished; its exit hung
@@ -270,7 +280,6 @@ def run_engine_group(
             out.append(run.result())
         except RuntimeError as e:
             out.append(e)
-    log(f"engine runs {', '.join(names)} (side by side) done in {time.time() - t0:.0f} s")
     return out
 
 

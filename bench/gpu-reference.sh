@@ -16,6 +16,8 @@
 #   host-read  the cost of one host-resident expert read, by path
 #   profile    offload-03-swap beside its unpatched engine, each profiled alone
 #   serve      compose/tiny.yml's service without a container engine, with a short benchmark
+#   prefill    offload-02 with and without prefill staging (VLLM_EXPERT_PREFILL_STAGING) beside
+#              unpatched at 10% and 40% host on the 16-layer model: TTFT 2k/8k, decode
 #   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
 #              (tests/gpu/test_qwen4exp_pp2.py), and compose/2x32GB.yml's command line served
 #              with it, twice: a budget-only start, then the start that uses what it learned
@@ -81,6 +83,9 @@ run_part() {
       part profile "bench:${HOST10[*]} --host-layers 0,1 --configs unpatched,offload-03-swap --paired --profile --decode-tokens 256 --repeats 1 --host-read-us 55.5 --out OUT/profile.json"
       ;;
     serve) part serve 'serve:--attention-backend TRITON_ATTN --gpu-memory-utilization 0.1' ;;
+    prefill)
+      part prefill "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage --group 4 ${RUN[*]} --out OUT/prefill.json"
+      ;;
     pp2)
       local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
       scripts/gpu-suite --budget-s 120 --out "$R/pp2-model" \
@@ -95,7 +100,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2

@@ -120,11 +120,11 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--configs",
         default="offload-02,offload-01,unpatched,cpu-offload-gb",
-        help="comma-separated CONFIG[+count][+churn|+hold][@TREE]: +count turns the "
+        help="comma-separated CONFIG[:N][+count][+churn|+hold][+stage][@TREE]: +count turns the "
         "usage-counting hook on, +churn makes offload-03-swap decide every decode step with "
         "no margin and a half-life of one step (and self-check every 500 decisions), +hold "
         "makes it count and decide as usual but never swap (the cost of counting and "
-        "deciding alone, against offload-03), "
+        "deciding alone, against offload-03), +stage turns offload-02's prefill staging on, "
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )
@@ -400,7 +400,10 @@ def _placement_env(
 
 
 def _variant_env(env: dict[str, str], variant: str, name: str, out: pathlib.Path) -> None:
-    """Add the environment of a configuration's variants (+count, +churn, +hold) to `env`."""
+    """Add the environment of a configuration's variants (+count, +churn, +hold, +stage) to
+    `env`."""
+    if "stage" in variant:
+        env["VLLM_EXPERT_PREFILL_STAGING"] = "1"
     if "count" in variant:
         env["VLLM_EXPERT_COUNT_FILE"] = str(out.with_suffix(f".{name}.counts.json"))
     if "churn" in variant:

@@ -87,6 +87,7 @@ def test_config_specs():
     assert parse_spec("offload-03-swap:26+churn") == ("offload-03-swap", "churn", None, 26)
     assert parse_spec("offload-03-swap+hold") == ("offload-03-swap", "hold", None, None)
     assert parse_spec("cpu-offload-gb:205") == ("cpu-offload-gb", "", None, 205)
+    assert parse_spec("offload-02:26+stage") == ("offload-02", "stage", None, 26)
     assert spec_slug("offload-02") == "offload-02"  # the committed raw runs' names
     assert spec_slug("offload-03-swap:26") == "offload-03-swap-h26"
     assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
@@ -97,10 +98,23 @@ def test_config_specs():
         "unpatched+count",
         "offload-03+hold",
         "offload-03-swap+churn+hold",
+        "offload-03-swap+stage",
+        "unpatched+stage",
     )
     for spec in (*bad, "unpatched:3", "offload-01:3", "offload-02:x", "offload-02:0"):
         with pytest.raises(SystemExit):
             parse_spec(spec)
+
+
+def test_the_stage_variant_turns_prefill_staging_on(tmp_path):
+    from eodev.bench_offload import _variant_env
+
+    env = {"VLLM_EXPERT_COLD_FILE": "c.json"}
+    _variant_env(env, "stage", "offload-02", tmp_path / "b.json")
+    assert env == {"VLLM_EXPERT_COLD_FILE": "c.json", "VLLM_EXPERT_PREFILL_STAGING": "1"}
+    plain = {}
+    _variant_env(plain, "count", "offload-02", tmp_path / "b.json")
+    assert "VLLM_EXPERT_PREFILL_STAGING" not in plain
 
 
 def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path):

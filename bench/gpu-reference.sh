@@ -16,6 +16,11 @@
 #   host-read  the cost of one host-resident expert read, by path
 #   profile    offload-03-swap beside its unpatched engine, each profiled alone
 #   serve      compose/tiny.yml's service without a container engine, with a short benchmark
+#   prefill    offload-02 with and without prefill staging (VLLM_EXPERT_PREFILL_STAGING) beside
+#              unpatched at 10% and 40% host on the 16-layer model: TTFT 2k/8k, decode
+#   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
+#              (tests/gpu/test_qwen4exp_pp2.py), and compose/2x32GB.yml's command line served
+#              with it, twice: a budget-only start, then the start that uses what it learned
 #
 # Results go to R (default /tmp/eo-out), one folder per part with its logs, summary.txt, the
 # report (JSON, Markdown, plots) and the engine runs packed as runs.tgz; R/PART.done marks a
@@ -78,13 +83,24 @@ run_part() {
       part profile "bench:${HOST10[*]} --host-layers 0,1 --configs unpatched,offload-03-swap --paired --profile --decode-tokens 256 --repeats 1 --host-read-us 55.5 --out OUT/profile.json"
       ;;
     serve) part serve 'serve:--attention-backend TRITON_ATTN --gpu-memory-utilization 0.1' ;;
+    prefill)
+      part prefill "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage --group 4 ${RUN[*]} --out OUT/prefill.json"
+      ;;
+    pp2)
+      local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
+      scripts/gpu-suite --budget-s 120 --out "$R/pp2-model" \
+        'model:qwen4exp-tiny-int4:--arch qwen4_exp --preset tiny --quant int4' || return 1
+      part pp2 "tests:tests/gpu/test_qwen4exp_pp2.py -rA -s" \
+        "serve:--compose compose/2x32GB.yml --model $q4 ${small[*]} --attention-backend TRITON_ATTN" \
+        "serve:--compose compose/2x32GB.yml --model $q4 ${small[*]} --attention-backend TRITON_ATTN"
+      ;;
   esac
 }
 
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2

@@ -1,3 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tools of the expert-offload project that run outside vLLM: the pin, the synthetic test model,
-cold-set and benchmark helpers. Scripts in scripts/ put this package on sys.path."""
+"""The tools that ship in the image and that a user runs: the start-up preflight and budget
+start, cold-file checks, counting, selection and the swap simulator, the memory plan, the pin.
+
+Importable without torch or vLLM (the preflight loads torch only to probe a GPU), and without
+the development tools in scripts/eodev, which the image does not ship. Scripts in scripts/ put
+this package on sys.path."""

@@ -73,32 +73,3 @@ def write_cold_file(
     }
     path.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
-
-
-def synthetic_cold_file(model_dir: pathlib.Path, out: pathlib.Path, per_layer: int) -> dict:
-    """The least-used `per_layer` experts of every layer of a make-test-model checkpoint, from
-    counts of its planted routers over every domain's calibration split (normalised per data
-    set, then added: SPEC section 4). Exact for these models: their routing is planted."""
-    from .testmodel.data import conversations
-    from .testmodel.plant import load_plan
-    from .testmodel.stats import count_picks, normalised_mix, streams
-
-    plan = load_plan(model_dir)
-    per_set = []
-    for domain in plan.planting.domains:
-        convs = conversations(plan, domain, "calibration", 16, 256)
-        per_set.append(count_picks(plan, streams(plan, convs, 128)))
-    mixed = normalised_mix(per_set)
-    return write_cold_file(
-        out,
-        least_used(mixed, per_layer),
-        model_identity(model_dir),
-        {
-            "tool": "eotools.coldset.synthetic_cold_file",
-            "data": [
-                f"{d}.calibration (16 x 256 words + 128 decoded)" for d in plan.planting.domains
-            ],
-            "counts": "planted-router simulation (the model's routing is planted)",
-            "selection": f"least-used {per_layer} per layer by normalised mixed counts",
-        },
-    )

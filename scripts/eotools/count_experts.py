@@ -39,6 +39,7 @@ import numpy as np
 
 from .coldset import model_identity
 from .counts import Counts, CountsError, load_counts, merge_ranks, subtract
+from .devtools import dev_module
 
 EPILOG = """exit codes: 0 counted; 1 bad input (missing or empty data set, unknown source,
 a model that is not a make-test-model checkpoint for --source synthetic, a server that does
@@ -62,11 +63,10 @@ def synthetic_counts(
 ) -> Counts:
     """Picks of the planted routers over the data set's prompts (prefill) and over the
     model's greedy continuation of each (decode steps)."""
+    plant = dev_module("testmodel.plant", "--source synthetic")
     from tokenizers import Tokenizer
 
-    from .testmodel.plant import load_plan
-
-    plan = load_plan(model_dir)  # --source synthetic counts only make-test-model checkpoints
+    plan = plant.load_plan(model_dir)  # --source synthetic counts only make-test-model checkpoints
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     seqs = read_dataset(path)
     if not seqs:
@@ -319,7 +319,22 @@ def make_engine_client(model: str, counts_file: pathlib.Path, pairs: list[str]) 
     return EngineClient(model, counts_file, engine_args(pairs))
 
 
-def main(argv: list[str] | None = None) -> int:
+class ExitWith(Exception):
+    """A one-line `error:` message for stderr and the exit status that main returns."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    def report(self) -> int:
+        """Print the message as one `error:` line on stderr; the exit status to return."""
+        print(f"error: {self.message}", file=sys.stderr)
+        return self.code
+
+
+def parser() -> argparse.ArgumentParser:
+    """count-experts' command line."""
     ap = argparse.ArgumentParser(
         prog="count-experts",
         description=__doc__,
@@ -381,64 +396,100 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--out-dir", type=pathlib.Path, required=True, help="writes <NAME>.json per data set"
     )
-    args = ap.parse_args(argv)
-    kinds = dict(k.split("=", 1) for k in args.kind)
+    return ap
+
+
+def data_sets(data: list[str]) -> list[tuple[str, pathlib.Path]]:
+    """The --data NAME=PATH values as (name, path), in the order given."""
     try:
-        sets = [(n, pathlib.Path(p)) for n, p in (d.split("=", 1) for d in args.data)]
+        return [(n, pathlib.Path(p)) for n, p in (d.split("=", 1) for d in data)]
     except ValueError:
-        print("error: --data takes NAME=PATH", file=sys.stderr)
-        return 2
-    client = hook = None
+        raise ExitWith("--data takes NAME=PATH", 2) from None
+
+
+def check_source_options(args: argparse.Namespace) -> None:
+    """Each source's required options, checked before anything starts (usage errors)."""
     if args.source == "synthetic" and args.model is None:
-        print("error: --source synthetic needs --model", file=sys.stderr)
-        return 2
+        raise ExitWith("--source synthetic needs --model", 2)
     if args.source == "server" and args.counts_file is None:
-        print("error: --source server needs --counts-file", file=sys.stderr)
-        return 2
+        raise ExitWith("--source server needs --counts-file", 2)
     if args.source == "engine" and args.model is None:
-        print("error: --source engine needs --model (a checkpoint folder)", file=sys.stderr)
-        return 2
-    if args.source in ("server", "engine"):
-        counts_file = args.counts_file or args.out_dir / ".engine-counts" / "counts.json"
-        try:
-            if args.source == "server":
-                client = CompletionsClient(args.url, str(args.model) if args.model else None)
-            else:
-                counts_file.parent.mkdir(parents=True, exist_ok=True)
-                client = make_engine_client(str(args.model), counts_file, args.engine_arg)
-            hook = HookFiles(counts_file, timeout_s=args.timeout)
-            client.complete("warm-up", 1)  # starts the hook's writer; counted in no set
-        except (CountsError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+        raise ExitWith("--source engine needs --model (a checkpoint folder)", 2)
+
+
+def open_source(
+    args: argparse.Namespace,
+) -> tuple[CompletionsClient | EngineClient | None, HookFiles | None]:
+    """The client and hook files of --source server or engine, their hook's writer started
+    by one warm-up request (counted in no set); (None, None) for --source synthetic."""
+    if args.source not in ("server", "engine"):
+        return None, None
+    counts_file = args.counts_file or args.out_dir / ".engine-counts" / "counts.json"
+    try:
+        if args.source == "server":
+            client = CompletionsClient(args.url, str(args.model) if args.model else None)
+        else:
+            counts_file.parent.mkdir(parents=True, exist_ok=True)
+            client = make_engine_client(str(args.model), counts_file, args.engine_arg)
+        hook = HookFiles(counts_file, timeout_s=args.timeout)
+        client.complete("warm-up", 1)  # starts the hook's writer; counted in no set
+    except (CountsError, ValueError) as e:
+        raise ExitWith(str(e), 1) from e
+    return client, hook
+
+
+def count_set(
+    args: argparse.Namespace,
+    client: CompletionsClient | EngineClient | None,
+    hook: HookFiles | None,
+    name: str,
+    kind: str,
+    path: pathlib.Path,
+) -> Counts:
+    """One data set's counts from the chosen source."""
+    if not path.is_file():
+        raise ExitWith(f"data set {name!r}: no file {path}", 1)
+    try:
+        if args.source in ("server", "engine"):
+            return server_counts(client, hook, name, kind, path, args.mode, args.decode_tokens)
+        return synthetic_counts(args.model, name, kind, path, args.decode_tokens)
+    except (ValueError, CountsError) as e:
+        raise ExitWith(str(e), 1) from e
+
+
+def count_sets(
+    args: argparse.Namespace,
+    client: CompletionsClient | EngineClient | None,
+    hook: HookFiles | None,
+    sets: list[tuple[str, pathlib.Path]],
+    kinds: dict[str, str],
+) -> int:
+    """Count every data set in turn and write OUT_DIR/<NAME>.json, with a progress bar
+    (tqdm) or, without tqdm, a line per set; the exit status. A set that fails is reported
+    while its progress bar is still open, and ends the counting."""
     try:
         from tqdm import tqdm
     except ImportError:  # plain progress lines
         tqdm = None
     items = tqdm(sets, desc="counting", unit="set") if tqdm else sets
     for name, path in items:
-        if not path.is_file():
-            print(f"error: data set {name!r}: no file {path}", file=sys.stderr)
-            return 1
         try:
-            if args.source in ("server", "engine"):
-                counts = server_counts(
-                    client,
-                    hook,
-                    name,
-                    kinds.get(name, name),
-                    path,
-                    args.mode,
-                    args.decode_tokens,
-                )
-            else:
-                counts = synthetic_counts(
-                    args.model, name, kinds.get(name, name), path, args.decode_tokens
-                )
-        except (ValueError, CountsError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
+            counts = count_set(args, client, hook, name, kinds.get(name, name), path)
+        except ExitWith as e:
+            return e.report()
         counts.save(args.out_dir / f"{name}.json")
         if not tqdm:
             print(f"counted {name}: {counts.tokens()} tokens", file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    kinds = dict(k.split("=", 1) for k in args.kind)
+    try:
+        sets = data_sets(args.data)
+        check_source_options(args)
+        client, hook = open_source(args)
+    except ExitWith as e:
+        return e.report()
+    return count_sets(args, client, hook, sets, kinds)

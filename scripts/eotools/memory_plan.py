@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from eotools.ple_table import _primes_after
-
+from .envsubst import substitute
+from .ple_table import _primes_after
 from .selection import GiB, SelectionError, stage_layers
 from .topologies import TOPOLOGIES
 
@@ -489,6 +489,7 @@ class Serving:
     ple_table: str  # "gpu" or "host"
     host_gib_per_card: float
     layer_partition: list[int] | None
+    prefill_staging: bool = False  # VLLM_EXPERT_PREFILL_STAGING=1
 
 
 def usable_vram_bytes(vram_gib: float) -> int:
@@ -499,10 +500,9 @@ def usable_vram_bytes(vram_gib: float) -> int:
 
 def read_compose(path: pathlib.Path) -> dict[str, Any]:
     """The serving settings of a compose file (defaults of its ${VAR:-default} taken)."""
-    from .dockerfile import substitute
-    from .schemas import load_yaml
+    import yaml
 
-    doc = load_yaml(path)
+    doc = yaml.safe_load(path.read_text())
     [svc] = doc["services"].values()
     args = [substitute(str(a), {}) for a in svc.get("command", [])]
     env = {k: substitute(str(v), {}) for k, v in (svc.get("environment") or {}).items()}
@@ -617,6 +617,7 @@ class Card:
     vram: int
     usable: int | None
     min_host_gib: float  # routed experts that must leave VRAM for this card to fit
+    staging: int = 0  # prefill staging's two VRAM slots
 
     @property
     def fits(self) -> bool:
@@ -651,6 +652,16 @@ class Plan:
     @property
     def fits(self) -> bool:
         return all(c.fits and c.kv_fits for c in self.cards)
+
+
+def staging_bytes(host: int, moe_layers: int, expert_bytes: int, s: Serving) -> int:
+    """Prefill staging's VRAM on one rank: two slots of the largest layer's host experts,
+    the host budget spread evenly over the stage's MoE layers as a budget-only start
+    spreads it (an upper bound: the slots hold the packed weights, not their scales)."""
+    if not s.prefill_staging or not host or not moe_layers:
+        return 0
+    per_layer = -(-(host // expert_bytes) // moe_layers)
+    return 2 * per_layer * expert_bytes
 
 
 def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") -> Plan:
@@ -696,7 +707,8 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
         )
         buffers = model_buffers(shape, layers, s)
         allowance = allowance_bytes(s)
-        vram = experts + other + ple_vram - host + kv_budget + buffers + allowance
+        staging = staging_bytes(host, sum(1 for p in per if p[EXPERTS]), eb, s)
+        vram = experts + other + ple_vram - host + kv_budget + buffers + allowance + staging
         usable = s.usable_vram_bytes
         need_host = 0.0 if usable is None else max(vram + host - usable, 0) / GiB
         cards.append(
@@ -716,6 +728,7 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
                 vram=vram,
                 usable=usable,
                 min_host_gib=need_host,
+                staging=staging,
             )
         )
     host_experts = sum(c.host_experts for c in cards)
@@ -782,6 +795,8 @@ def render_markdown(p: Plan) -> str:
     row("  (one max-len request needs)", [_g(c.kv.one_request) for c in p.cards])
     row("+ model buffers per chunk", [_g(c.buffers) for c in p.cards])
     row("+ activations, CUDA graphs, workspace", [_g(c.allowance) for c in p.cards])
+    if s.prefill_staging:
+        row("+ prefill staging slots", [_g(c.staging) for c in p.cards])
     row("**VRAM**", [f"**{_g(c.vram)}**" for c in p.cards])
     row(
         "usable VRAM",
@@ -915,6 +930,9 @@ def build_serving(args: argparse.Namespace) -> Serving:
         ple_table=args.ple_table or env.get("VLLM_PLE_TABLE") or "gpu",
         host_gib_per_card=host,
         layer_partition=parts,
+        prefill_staging=bool(
+            args.prefill_staging or env.get("VLLM_EXPERT_PREFILL_STAGING", "0") not in ("", "0")
+        ),
     )
 
 
@@ -952,6 +970,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lives (VLLM_PLE_TABLE; default: the compose file's, else gpu as upstream)",
     )
     ap.add_argument("--layer-partition", help="VLLM_PP_LAYER_PARTITION, e.g. 25,23")
+    ap.add_argument(
+        "--prefill-staging",
+        action="store_true",
+        help="count prefill staging's VRAM (VLLM_EXPERT_PREFILL_STAGING=1; default: the "
+        "compose file's)",
+    )
     ap.add_argument("--config-only", action="store_true", help="ignore safetensors files")
     ap.add_argument("--json", action="store_true", help="print JSON instead of Markdown")
     args = ap.parse_args(argv)

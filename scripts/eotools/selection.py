@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Choosing and evaluating cold sets (SPEC section 4).
+"""Choosing and evaluating cold sets (docs/cold-sets.md).
 
 Counts of several data kinds are normalised (each set sums to 1) and added, optionally
 weighted; then, per pipeline stage, the least-used (layer, expert) pairs of the stage's layers

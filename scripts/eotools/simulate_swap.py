@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from .coldcheck import REMAKE, ColdFileError, load_cold_file
+from .devtools import DevToolsMissing, dev_module
 from .swap_policy import SwapPolicy, simulate
 
 EPILOG = """Picks come from a recorded file (--picks: .npy or .npz array 'picks' of shape
@@ -30,10 +31,8 @@ def synthetic_picks(
 ) -> Iterator[np.ndarray]:
     """Decode-step picks of `conversations` held-out conversations of one domain, back to
     back (the swap state carries over between them, as in a server)."""
-    from .testmodel import data
-    from .testmodel.plant import load_plan
-
-    plan = load_plan(model_dir)
+    data = dev_module("testmodel.data", "--model with --domain")
+    plan = dev_module("testmodel.plant", "--model with --domain").load_plan(model_dir)
     for conv in data.conversations(plan, domain, "heldout", conversations, words, seed=seed):
         seq = np.array(
             list(conv.token_ids) + data.greedy_continuation(plan, conv.token_ids, decode)
@@ -46,7 +45,12 @@ def synthetic_picks(
         yield from np.stack(layers, axis=1)  # (decode steps, layers, top_k)
 
 
-def main(argv: list[str] | None = None) -> int:
+class BadInput(Exception):
+    """Input the simulation cannot run on; main prints it as one `error:` line, exit 1."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """simulate-swap's command line."""
     ap = argparse.ArgumentParser(
         prog="simulate-swap",
         description=__doc__,
@@ -75,13 +79,18 @@ def main(argv: list[str] | None = None) -> int:
         help="also try intervals 4,8,16 x half-lives 128,512,2048 x margins 1,2,4",
     )
     ap.add_argument("--json", type=pathlib.Path, help="write every result here")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def load_host_experts(
+    args: argparse.Namespace,
+) -> tuple[dict[int, list[int]], int, int]:
+    """The cold file's host experts per layer, the model's layer count and its expert count;
+    the layer count comes from --model where the cold file does not say it."""
     try:
         cold_doc = load_cold_file(pathlib.Path(args.cold))
     except ColdFileError as e:
-        print(f"error: {args.cold}: {e}; {e.fix}", file=sys.stderr)
-        return 1
+        raise BadInput(f"{args.cold}: {e}; {e.fix}") from e
     host = cold_doc["layers"]
     layers, experts = cold_doc["model"].get("num_layers"), cold_doc["model"]["num_experts"]
     if layers is None and args.model:
@@ -89,82 +98,102 @@ def main(argv: list[str] | None = None) -> int:
 
         layers = model_identity(args.model)["num_layers"]
     if layers is None:
-        print(
-            f"error: {args.cold}: its 'model' does not say 'num_layers'; add the model's "
-            "layer count there or give --model",
-            file=sys.stderr,
+        raise BadInput(
+            f"{args.cold}: its 'model' does not say 'num_layers'; add the model's "
+            "layer count there or give --model"
         )
-        return 1
     beyond = sorted(x for x in host if x >= layers)
     if beyond:
-        print(
-            f"error: {args.cold}: it lists layer(s) {beyond[:8]}, but its model has {layers} "
-            f"layers (0-{layers - 1}); {REMAKE}",
-            file=sys.stderr,
+        raise BadInput(
+            f"{args.cold}: it lists layer(s) {beyond[:8]}, but its model has {layers} "
+            f"layers (0-{layers - 1}); {REMAKE}"
         )
-        return 1
-    if args.picks:
-        try:
-            arr = np.load(args.picks)
-        except (OSError, ValueError, EOFError) as e:
-            print(f"error: {args.picks}: not a .npy or .npz file ({e})", file=sys.stderr)
-            return 1
-        recorded = None
-        if isinstance(arr, np.lib.npyio.NpzFile):
-            # the serving hook's trace names its rank's layers (VLLM_EXPERT_COUNT_TRACE_TOKENS)
-            recorded = arr["layers"].tolist() if "layers" in arr.files else None
-            arr = arr["picks"]
-        if recorded is not None:
-            if any(not 0 <= x < layers for x in recorded):
-                print(f"error: {args.picks}: layers {recorded} not in the model", file=sys.stderr)
-                return 1
-            host = {i: host.get(x, []) for i, x in enumerate(recorded)}
-            layers = len(recorded)
-        if arr.ndim != 3 or arr.shape[1] != layers or arr.shape[0] == 0:
-            print(
-                f"error: {args.picks}: picks must be (tokens, {layers} layers, top_k) with at "
-                f"least one token, not {arr.shape}",
-                file=sys.stderr,
-            )
-            return 1
-        if arr.size and not (arr.min() >= 0 and arr.max() < experts):
-            print(
-                f"error: {args.picks}: expert ids {int(arr.min())}-{int(arr.max())} are not "
-                f"all in 0-{experts - 1} (the cold file's model has {experts} experts); "
-                "record the picks on the model the cold file was made for",
-                file=sys.stderr,
-            )
-            return 1
-        workloads = {args.picks.name: arr.astype(np.int64)}
-    elif args.model and args.domain:
-        workloads = {
+    return host, layers, experts
+
+
+def recorded_workload(
+    path: pathlib.Path, host: dict[int, list[int]], layers: int, experts: int
+) -> tuple[dict[str, np.ndarray], dict[int, list[int]], int]:
+    """The picks recorded in `path` as one workload, with the host experts and layer count
+    they replay against: a serving trace that names its rank's layers narrows both to those."""
+    try:
+        arr = np.load(path)
+    except (OSError, ValueError, EOFError) as e:
+        raise BadInput(f"{path}: not a .npy or .npz file ({e})") from e
+    recorded = None
+    if isinstance(arr, np.lib.npyio.NpzFile):
+        # the serving hook's trace names its rank's layers (VLLM_EXPERT_COUNT_TRACE_TOKENS)
+        recorded = arr["layers"].tolist() if "layers" in arr.files else None
+        arr = arr["picks"]
+    if recorded is not None:
+        if any(not 0 <= x < layers for x in recorded):
+            raise BadInput(f"{path}: layers {recorded} not in the model")
+        host = {i: host.get(x, []) for i, x in enumerate(recorded)}
+        layers = len(recorded)
+    if arr.ndim != 3 or arr.shape[1] != layers or arr.shape[0] == 0:
+        raise BadInput(
+            f"{path}: picks must be (tokens, {layers} layers, top_k) with at "
+            f"least one token, not {arr.shape}"
+        )
+    if arr.size and not (arr.min() >= 0 and arr.max() < experts):
+        raise BadInput(
+            f"{path}: expert ids {int(arr.min())}-{int(arr.max())} are not "
+            f"all in 0-{experts - 1} (the cold file's model has {experts} experts); "
+            "record the picks on the model the cold file was made for"
+        )
+    return {path.name: arr.astype(np.int64)}, host, layers
+
+
+def synthetic_workloads(args: argparse.Namespace) -> dict[str, np.ndarray]:
+    """One workload per --domain: the planted routers' picks over its conversations."""
+    try:
+        return {
             d: np.stack(
                 list(
                     synthetic_picks(
-                        args.model, d, args.conversations, args.words, args.decode_tokens, args.seed
+                        args.model,
+                        d,
+                        args.conversations,
+                        args.words,
+                        args.decode_tokens,
+                        args.seed,
                     )
                 )
             )
             for d in args.domain
         }
-    else:
-        print("error: give --picks, or --model with --domain", file=sys.stderr)
-        return 1
+    except DevToolsMissing as e:
+        raise BadInput(str(e)) from e
 
-    policies = [SwapPolicy(args.interval, args.half_life, args.margin)]
+
+def policies(args: argparse.Namespace) -> list[SwapPolicy]:
+    """The policy of the command line, then (--sweep) every other one of the grid."""
+    chosen = [SwapPolicy(args.interval, args.half_life, args.margin)]
     if args.sweep:
-        policies += [
+        chosen += [
             SwapPolicy(i, h, m)
             for i, h, m in itertools.product((4, 8, 16), (128.0, 512.0, 2048.0), (1.0, 2.0, 4.0))
-            if SwapPolicy(i, h, m) != policies[0]
+            if SwapPolicy(i, h, m) != chosen[0]
         ]
+    return chosen
+
+
+def run_policies(
+    workloads: dict[str, np.ndarray],
+    layers: int,
+    experts: int,
+    host: dict[int, list[int]],
+    swap_policies: list[SwapPolicy],
+) -> list[dict]:
+    """Replay every workload through the fixed cold set and each policy, printing a table
+    row per run; returns the rows for --json."""
     results = []
     print(
         f"{'workload':<16} {'policy':<26} {'reads/token':>11} {'swaps/token':>11} "
         f"{'read-equiv/token':>16}"
     )
     for name, picks in workloads.items():
-        for policy in [None, *policies]:
+        for policy in [None, *swap_policies]:
             r = simulate(iter(picks), layers, experts, host, policy)
             label = (
                 "fixed cold set"
@@ -184,6 +213,23 @@ def main(argv: list[str] | None = None) -> int:
                     "swaps_per_token": r.swaps_per_token,
                 }
             )
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        host, layers, experts = load_host_experts(args)
+        if args.picks:
+            workloads, host, layers = recorded_workload(args.picks, host, layers, experts)
+        elif args.model and args.domain:
+            workloads = synthetic_workloads(args)
+        else:
+            raise BadInput("give --picks, or --model with --domain")
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    results = run_policies(workloads, layers, experts, host, policies(args))
     if args.json:
         args.json.write_text(
             json.dumps({"cold": str(args.cold), "results": results}, indent=1) + "\n"

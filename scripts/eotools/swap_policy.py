@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The runtime-swap policy (SPEC section 3, offload-03), as a reference implementation.
+"""The runtime-swap policy (offload-03; docs/design.md), as a reference implementation.
 
 Every decode step adds 1 to the count of each (layer, expert) the router picked. Every
 `interval` steps the counts decay by 0.5 ** (interval / half_life); then, per layer, the most
@@ -87,7 +87,8 @@ class SimulationResult:
         return self.swaps / max(self.tokens, 1)
 
     def read_equivalents_per_token(self, reads_per_swap: float = 2.0) -> float:
-        """Cost in host reads, counting a swap as `reads_per_swap` reads (SPEC: ~2)."""
+        """Cost in host reads, counting a swap as `reads_per_swap` reads (2 by default, the
+        weight the cold-set evaluation gives a swap)."""
         return self.reads_per_token + reads_per_swap * self.swaps_per_token
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The hardware each per-topology image and compose file is made for (SPEC section 5).
+"""The hardware each per-topology image and compose file is made for (compose/README.md).
 
 The preflight checks the GPUs it finds against the topology named by EO_TOPOLOGY (the image's
 TOPOLOGY build argument); the serving settings themselves live in compose/<name>.yml, and

@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="module")
 def vllm_cpu():
     """A single-process vLLM context (config, gloo process group) for building MoE layers."""
-    from eotools.vllm_context import single_process_vllm
+    from eodev.vllm_context import single_process_vllm
 
     with single_process_vllm("gloo") as config:
         yield config

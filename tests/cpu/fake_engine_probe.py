@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Stands in for eotools.engine_probe in tests/cpu/test_paired_engines.py: starts (sleeps),
+"""Stands in for eodev.engine_probe in tests/cpu/test_paired_engines.py: starts (sleeps),
 then runs CONFIG["requests"] "requests" of 20 ms, each in a turn of engine_probe.Baton, and
 writes when each ran, then "shuts down" for CONFIG["shutdown_s"]; with
 CONFIG["fail_at_start"], exits 3 during start-up instead.
@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from eotools.engine_probe import Baton
+from eodev.engine_probe import Baton
 
 launched = time.time()
 

@@ -154,7 +154,7 @@ def load_mtp(vc, model_dir: pathlib.Path) -> dict:
 def main(model_dir: pathlib.Path) -> dict:
     _cpu_stand_ins()
     import torch
-    from eotools.vllm_context import free_port
+    from eodev.vllm_context import free_port
     from vllm.config import (
         DeviceConfig,
         ModelConfig,

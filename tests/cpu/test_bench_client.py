@@ -20,10 +20,10 @@ import aiohttp
 import numpy as np
 import pytest
 from aiohttp import web
-from eotools.bench import cli, client, compare, prom, report
-from eotools.bench import metrics as m
-from eotools.testmodel.cli import PRESETS
-from eotools.testmodel.plant import Planting
+from eodev.bench import cli, client, compare, prom, report
+from eodev.bench import metrics as m
+from eodev.testmodel.cli import PRESETS
+from eodev.testmodel.plant import Planting
 
 # (delay before the event in s, tokens in it): 8 tokens in 6 events, one of them empty
 SCHEDULE = [(0.30, 1), (0.06, 1), (0.06, 3), (0.06, 0), (0.06, 1), (0.06, 2)]

@@ -78,7 +78,7 @@ def test_physical_bound_is_unpatched_tpot_plus_reads_times_the_read_cost(report)
 
 
 def test_config_specs():
-    from eotools.bench_offload import parse_spec, spec_slug
+    from eodev.bench_offload import parse_spec, spec_slug
 
     assert parse_spec("offload-02") == ("offload-02", "", None, None)
     assert parse_spec("offload-02+count") == ("offload-02", "count", None, None)
@@ -87,6 +87,7 @@ def test_config_specs():
     assert parse_spec("offload-03-swap:26+churn") == ("offload-03-swap", "churn", None, 26)
     assert parse_spec("offload-03-swap+hold") == ("offload-03-swap", "hold", None, None)
     assert parse_spec("cpu-offload-gb:205") == ("cpu-offload-gb", "", None, 205)
+    assert parse_spec("offload-02:26+stage") == ("offload-02", "stage", None, 26)
     assert spec_slug("offload-02") == "offload-02"  # the committed raw runs' names
     assert spec_slug("offload-03-swap:26") == "offload-03-swap-h26"
     assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
@@ -97,10 +98,23 @@ def test_config_specs():
         "unpatched+count",
         "offload-03+hold",
         "offload-03-swap+churn+hold",
+        "offload-03-swap+stage",
+        "unpatched+stage",
     )
     for spec in (*bad, "unpatched:3", "offload-01:3", "offload-02:x", "offload-02:0"):
         with pytest.raises(SystemExit):
             parse_spec(spec)
+
+
+def test_the_stage_variant_turns_prefill_staging_on(tmp_path):
+    from eodev.bench_offload import _variant_env
+
+    env = {"VLLM_EXPERT_COLD_FILE": "c.json"}
+    _variant_env(env, "stage", "offload-02", tmp_path / "b.json")
+    assert env == {"VLLM_EXPERT_COLD_FILE": "c.json", "VLLM_EXPERT_PREFILL_STAGING": "1"}
+    plain = {}
+    _variant_env(plain, "count", "offload-02", tmp_path / "b.json")
+    assert "VLLM_EXPERT_PREFILL_STAGING" not in plain
 
 
 def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path):
@@ -125,7 +139,7 @@ def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path)
 
 
 def test_agreement_with_unpatched():
-    from eotools.bench_offload import agreement
+    from eodev.bench_offload import agreement
 
     def run(*outs):
         return {"tasks": {"fresh_tokens": {"outputs": list(outs)}}}
@@ -210,7 +224,7 @@ def test_engine_runs_record_their_machine(monkeypatch):
     import subprocess as sp
     import types
 
-    from eotools.engine_probe import machine
+    from eodev.engine_probe import machine
 
     line = "NVIDIA H200, 580.82.07, 5, 16, 1980, 1980, 3201\n"
     monkeypatch.setattr(sp, "run", lambda *a, **k: types.SimpleNamespace(stdout=line))
@@ -235,7 +249,7 @@ def test_engine_runs_record_their_machine(monkeypatch):
 
 def test_decide_ab_task_and_its_report_line(report):
     """--decide-ab: decisions that never swap against none, and the report's line for it."""
-    from eotools.bench_offload import decide_ab_task, markdown
+    from eodev.bench_offload import decide_ab_task, markdown
 
     task = decide_ab_task([[1, 2]], 64, 3)
     assert task["kind"] == "decode_ab" and task["name"] == "decide_ab"
@@ -303,7 +317,7 @@ def test_a_paired_run_with_gzip_compressed_results(repo_root, tmp_path):
 
 
 def test_run_units_group_configurations_and_alternate_their_order():
-    from eotools.bench_offload import run_units
+    from eodev.bench_offload import run_units
 
     specs = ["unpatched", "offload-02", "offload-01", "offload-03-swap:26"]
     assert run_units(specs, 1, 0) == [(1, [s]) for s in specs]
@@ -325,8 +339,8 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     """--group 2: two configurations at a time beside one unpatched engine (one
     run_engine_group call per unit, labels naming the unit); each ratio is against that
     engine; a member that fails is reported alone; --from-runs finds the same runs again."""
-    from eotools import bench_offload
-    from eotools import gpu_harness as gh
+    from eodev import bench_offload
+    from eodev import gpu_harness as gh
 
     raw = repo_root / RAW
 
@@ -471,7 +485,7 @@ def test_per_repeat_ratios_and_a_reproduction_check_on_two_committed_runs(repo_r
 
 
 def test_reproduction_verdicts():
-    from eotools.bench_offload import reproduction, reproduction_lines
+    from eodev.bench_offload import reproduction, reproduction_lines
 
     def doc(ratio, rng, config="offload-02"):
         row = {"config": config, "workload": "fresh", "decode_vs_unpatched": ratio}
@@ -497,7 +511,7 @@ def test_reproduction_verdicts():
 
 
 def test_a_profile_is_set_beside_its_own_rounds_unpatched_partner():
-    from eotools.bench_offload import _partner_profile
+    from eodev.bench_offload import _partner_profile
 
     profs = {
         "unpatched beside a, b (round 2)": "r2",
@@ -514,7 +528,7 @@ def test_rows_whose_engine_ran_another_path_are_flagged():
     """A first group of five engines on one H200 (2026-12-01) merged only 11 of 16 layers of
     its one-table engines: VRAM ran out while merging and the rest kept two tables. The
     report flags such rows instead of presenting them as offload-03's."""
-    from eotools.bench_offload import markdown, path_warnings
+    from eodev.bench_offload import markdown, path_warnings
 
     def row(config, n, variant=None):
         r = {"config": config, "workload": "fresh", "moe_layers": 16, "one_table_layers": n}
@@ -553,7 +567,7 @@ def test_rows_whose_engine_ran_another_path_are_flagged():
 def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
     """Issue 6's sweep: offload-03 with swap against --cpu-offload-gb at every cold-set size
     that both ran, the plain configurations standing for the run's main size."""
-    from eotools.bench.sweep import plot_sweep, sweep_lines, sweep_points
+    from eodev.bench.sweep import plot_sweep, sweep_lines, sweep_points
 
     def row(config, size, workload, ratio, fraction):
         variant = {"variant": f"{config}:{size}"} if size != 51 else {}
@@ -608,7 +622,7 @@ def test_a_bad_compare_with_file_stops_before_any_engine_runs(repo_root, tmp_pat
 def test_rounds_keep_the_round_that_ran_another_path():
     """Merged rounds carry the round furthest from the configuration's path, so that a
     fallback in any round is flagged."""
-    from eotools.bench_offload import merge_rounds, path_warnings
+    from eodev.bench_offload import merge_rounds, path_warnings
 
     def row(config, n):
         return {
@@ -630,7 +644,7 @@ def test_the_report_flags_an_unpatched_engine_far_from_the_others():
     report lists them, and warns about one that decodes more than 10% off their median
     (one run of 2026-12-01: 457 against 594 and 594 tok/s), since every ratio of its unit
     moves with it."""
-    from eotools import bench_offload
+    from eodev import bench_offload
 
     def row(variant, fresh, repeat):
         out = []
@@ -661,7 +675,7 @@ def test_the_report_names_what_an_engine_holds_beside_its_weights():
     """From the probe's census of both engines: the extra bytes of a configuration over its
     unpatched engine, and the tensor groups it holds more of (issue 3's 72 MB that
     offload-02 held on 2026-12-01, which totals alone could not name)."""
-    from eotools import bench_offload
+    from eodev import bench_offload
 
     kv = {"shape": [2, 4096, 16], "dtype": "bfloat16", "count": 16, "bytes": 4 << 30}
     base = {"other_bytes": (4 << 30) + 1000, "top": [kv]}
@@ -696,7 +710,7 @@ def test_the_report_names_the_code_that_allocated_it():
     """With EO_ALLOC_HISTORY=1 the probe groups live allocations by the vLLM code that
     made them; the report names the sites where a configuration holds more than its
     unpatched engine (blocks present in both, the KV cache here, are not listed)."""
-    from eotools import bench_offload
+    from eodev import bench_offload
 
     kv = {"site": "vllm/v1/worker/gpu_model_runner.py:6100 _allocate_kv_cache", "count": 16}
     base = {"other_bytes": 4 << 30, "top": [{**kv, "bytes": 4 << 30, "sizes": [1 << 28]}]}
@@ -726,7 +740,7 @@ def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
     The earlier run's group 1 divided by an engine 23% below its run's median on fresh
     prompts; the later run's did not, and 4 of its 7 misses against the earlier one are those
     rows."""
-    from eotools import bench_offload
+    from eodev import bench_offload
 
     runs = repo_root / RUNS
     h = json.loads((runs / "suite-16l-earlier.json").read_text())
@@ -758,7 +772,7 @@ def test_per_request_tpot_in_the_report(repo_root):
     requests ranged 1.38-2.23 ms; --cpu-offload-gb's were steady)."""
     import gzip
 
-    from eotools import bench_offload
+    from eodev import bench_offload
 
     raw = repo_root / RUNS / "suite-16l"
 
@@ -791,7 +805,7 @@ def test_vram_saved_against_the_host_bytes():
     the driver's count and by torch's, the expert weights' block slack and the free bytes
     stranded in partly used segments where the probe recorded them; one table's rows are
     outside torch's allocator."""
-    from eotools.bench_offload import vram_saved, vram_saved_lines
+    from eodev.bench_offload import vram_saved, vram_saved_lines
 
     base = {
         "process_vram_bytes": 27_613_200_384,

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The compose files: valid against the Compose Specification (the pinned schema of
-eotools/schemas.py), the serving settings of SPEC section 5, what every service needs (GPUs,
+eodev/schemas.py), the serving settings of SPEC section 5, what every service needs (GPUs,
 shared memory, page-locking, health check), and the tiny service's first-start model."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import sys
 import threading
 
 import pytest
-from eotools import coldcheck, schemas
+from eodev import schemas
+from eotools import coldcheck
 from eotools import preflight as pf
-from eotools.dockerfile import substitute
+from eotools.envsubst import substitute
 from eotools.topologies import TOPOLOGIES
 
 FILES = sorted(pathlib.Path(__file__).resolve().parents[2].glob("compose/*.yml"))

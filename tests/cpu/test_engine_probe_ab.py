@@ -56,7 +56,7 @@ class _FakeLLM:
 
 
 def test_decode_ab_alternates_the_variants_and_restores_the_settings(monkeypatch):
-    from eotools import engine_probe
+    from eodev import engine_probe
     from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
 
     start = swap_runtime.SwapSettings(8, 512.0, 2.0)
@@ -86,7 +86,7 @@ def test_decode_ab_alternates_the_variants_and_restores_the_settings(monkeypatch
 
 
 def test_decode_ab_refuses_an_engine_without_runtime_swap(monkeypatch):
-    from eotools import engine_probe
+    from eodev import engine_probe
     from vllm.model_executor.layers.fused_moe.expert_offload import swap_runtime
 
     monkeypatch.setattr(swap_runtime, "get_runtime", lambda: None)
@@ -96,3 +96,47 @@ def test_decode_ab_refuses_an_engine_without_runtime_swap(monkeypatch):
         engine_probe._decode_ab(llm, task)
     with pytest.raises(ValueError, match="two variants"):
         engine_probe._decode_ab(llm, {**task, "variants": {"a": {}}})
+
+
+def _rank_placement(layers: int, host: int, kernels: list[str], first: int) -> dict:
+    return {
+        "moe_layers": layers,
+        "one_table_layers": 0,
+        "one_table_gpu_rows_in_host_memory": 0,
+        "one_table_host_experts": {str(first + i): [i] for i in range(layers)},
+        "expert_gpu_bytes": 10 * layers,
+        "expert_host_bytes": host,
+        "expert_host_bytes_by_layer": [host // layers] * layers,
+        "expert_bytes_by_layer": [10 + host // layers] * layers,
+        "moe_methods": ["GPTQMarlinMoEMethod"],
+        "moe_kernels": kernels,
+    }
+
+
+def test_pipeline_ranks_placements_merge_in_rank_order():
+    from eodev.engine_probe import merge_placements
+
+    one = _rank_placement(3, 30, ["MarlinExperts"], 0)
+    assert merge_placements([one]) is one  # PP=1: unchanged
+    two = _rank_placement(3, 60, ["MarlinExperts", "Other"], 3)
+    m = merge_placements([one, two])
+    assert m["moe_layers"] == 6 and m["expert_host_bytes"] == 90
+    assert m["expert_gpu_bytes"] == 60
+    assert m["expert_host_bytes_by_layer"] == [10, 10, 10, 20, 20, 20]
+    assert sorted(m["one_table_host_experts"], key=int) == ["0", "1", "2", "3", "4", "5"]
+    assert m["moe_kernels"] == ["MarlinExperts", "Other"]
+    assert m["moe_methods"] == ["GPTQMarlinMoEMethod"]
+    assert m["per_rank"] == [one, two]
+
+
+def test_pipeline_ranks_swap_counters_merge():
+    from eodev.engine_probe import merge_swap_counters
+
+    a = {"layers": ["l0", "l1"], "host_reads": [1, 2], "swaps": [0, 1], "decode_steps": 7}
+    b = {"layers": ["l2"], "host_reads": [5], "swaps": [3], "decode_steps": 7}
+    assert merge_swap_counters([a]) is a
+    assert merge_swap_counters([None, None]) is None
+    m = merge_swap_counters([a, b])
+    assert m["layers"] == ["l0", "l1", "l2"]
+    assert sum(m["host_reads"]) == 8 and sum(m["swaps"]) == 4
+    assert m["decode_steps"] == 7

@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from eotools import bench_offload, engine_probe
+from eodev import bench_offload, engine_probe
 from torch.autograd import DeviceType
 
 

@@ -13,7 +13,7 @@ import os
 import stat
 
 import pytest
-from eotools import bench_offload, engine_probe
+from eodev import bench_offload, engine_probe
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_the_report_prefers_the_process_figure():
 
 
 def test_gpu_name_lists_each_model_once_and_is_unknown_without_the_tool(fake_smi, monkeypatch):
-    from eotools import nvsmi
+    from eodev import nvsmi
 
     fake_smi("NVIDIA H200\nNVIDIA H200")
     assert nvsmi.gpu_name() == "NVIDIA H200"
@@ -97,7 +97,7 @@ def test_placement_counts_uva_offload_by_parameter_and_by_layer(monkeypatch):
     count as host bytes, per layer, and the benchmark weights that layer's reads by its
     host share."""
     import torch
-    from eotools import bench_offload
+    from eodev import bench_offload
     from vllm.model_executor.layers.fused_moe import routed_experts
 
     class Experts(torch.nn.Module):
@@ -393,7 +393,7 @@ def test_one_table_host_experts_are_read_from_the_table(monkeypatch):
     import types
 
     import torch
-    from eotools import bench_offload
+    from eodev import bench_offload
     from vllm.model_executor.layers.fused_moe import routed_experts
 
     class Experts(torch.nn.Module):
@@ -418,7 +418,7 @@ def test_engines_run_on_their_gpus_numa_node(monkeypatch, tmp_path):
     local_cpulist) before CUDA starts, so that engines of one group do not differ by where
     the scheduler first put them; EO_PIN_CPUS=0, a node list that sysfs cannot give, or
     one outside the allowed CPUs leave the affinity alone."""
-    from eotools import nvsmi
+    from eodev import nvsmi
 
     assert engine_probe.parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     dev = tmp_path / "0000:18:00.0"

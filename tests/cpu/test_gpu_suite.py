@@ -50,8 +50,27 @@ def test_the_reference_script_names_its_parts_and_refuses_others(repo_root):
     script = repo_root / "bench/gpu-reference.sh"
     text = script.read_text()
     header = text.split("set -u", 1)[0]
-    documented = re.findall(r"^#   ([a-z-]+) ", header, flags=re.M)
+    documented = re.findall(r"^#   ([a-z0-9-]+) ", header, flags=re.M)
     accepted = re.search(r"\n    (models \|[^)]*)\) ;;", text).group(1).split(" | ")
     assert documented == accepted
     r = subprocess.run([str(script), "decode", "nonsense"], capture_output=True, text=True)
     assert r.returncode == 2 and "unknown part 'nonsense'" in r.stderr
+
+
+def test_a_serve_step_passes_serve_locals_options_before_its_workdir(repo_root, tmp_path):
+    """'serve:--compose FILE --model DIR ARGS': serve-local gets its own options first (here it
+    stops at the missing checkpoint, before looking for vLLM), the rest after WORKDIR."""
+    out = tmp_path / "out"
+    step = (
+        f"serve:--compose {repo_root}/compose/2x32GB.yml --model {tmp_path}/none --max-num-seqs 1"
+    )
+    r = subprocess.run(
+        [str(repo_root / "scripts/gpu-suite"), "--out", str(out), step],
+        env={**os.environ, "EO_GPU_WORK": str(tmp_path / "work")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    log = (out / "01-serve.log").read_text()
+    assert f"--model {tmp_path}/none: no config.json there" in log, log

@@ -23,8 +23,8 @@ import sysconfig
 import zipfile
 
 import pytest
-from eotools import dockerfile
-from eotools.cache import cache_dir
+from eodev import dockerfile
+from eodev.cache import cache_dir
 from eotools.pin import PIN
 from eotools.preflight import Setup, check_vllm
 
@@ -117,13 +117,19 @@ class EmulatedImage:
         return self.root / image_path.lstrip("/")
 
     def _copy(self, c: dockerfile.Copy) -> None:
+        """COPY from the build context: only the files .dockerignore lets through."""
         dest = self.path(c.dest)
+        context = dockerfile.context_files(self.repo)
         for s in c.sources:
             src = self.repo / s
-            ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
             if src.is_dir():
-                shutil.copytree(src, dest, ignore=ignore, dirs_exist_ok=True)
+                prefix = s.rstrip("/") + "/"
+                for rel in (f for f in context if f.startswith(prefix)):
+                    target = dest / rel.removeprefix(prefix)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(self.repo / rel, target)
             else:
+                assert s in context, f"{s} is not in the build context (.dockerignore)"
                 target = dest / src.name if c.dest.endswith("/") else dest
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src, target)
@@ -269,13 +275,15 @@ def test_dockerfile_layout(repo_root):
     assert path.startswith(home + "/")
     wrapper = repo_root / path.removeprefix(home + "/")
     assert wrapper.is_file() and wrapper.stat().st_mode & stat.S_IXUSR
-    # every COPY source exists and is let through by .dockerignore
-    ignore = (repo_root / ".dockerignore").read_text().split()
+    # every COPY source exists and .dockerignore lets it (or files under it) through; no
+    # bytecode or development tool reaches the build context
+    context = dockerfile.context_files(repo_root)
     for c in stage.copies:
         for s in c.sources:
             assert (repo_root / s).exists(), s
-            assert f"!{s}" in ignore
-    assert "**/__pycache__" in ignore
+            assert any(f == s or f.startswith(s.rstrip("/") + "/") for f in context), s
+    assert not [f for f in context if "__pycache__" in f or f.endswith(".pyc")]
+    assert not [f for f in context if f.startswith(("scripts/eodev/bench", "tests/", "bench/"))]
     # OCI labels and the custom ones
     labels = " ".join(i.value for i in ins if i.keyword == "LABEL")
     for key in (

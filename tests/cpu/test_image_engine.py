@@ -160,6 +160,22 @@ def test_the_series_is_applied_and_the_patched_vllm_imports(eng, images):
     assert f"already patched: {n} patches of" in said, said
 
 
+def test_the_image_ships_eotools_and_its_tools_run(eng, images):
+    """The image holds eotools and, of the development tools, only the test model's maker;
+    each Python tool in it answers --help there (a tool shipped without what it imports
+    would fail here)."""
+    loop = (
+        "cd /opt/expert-offload/scripts && test ! -e eodev/bench && test -d eotools && "
+        'for t in *; do head -c 22 "$t" | grep -q python3 || continue; '
+        'python3 "$t" --help > /dev/null || { echo "FAILED $t"; exit 1; }; '
+        'echo "ran $t"; done'
+    )
+    r = in_container(eng, images["any"], "-c", loop, entrypoint="bash")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    ran = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("ran ")}
+    assert ran >= {"preflight", "budget-start", "count-experts", "prepare-tiny-model"}, ran
+
+
 @pytest.mark.parametrize("topology", ["2x32GB", "tiny"])
 def test_without_a_gpu_the_preflight_stops_the_container(eng, images, topology):
     r = in_container(eng, images[topology], "/models/none", "--pipeline-parallel-size", "1")

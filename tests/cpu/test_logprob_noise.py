@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The GPU correctness tests' verdict (eotools.logprob_noise), on small hand-made runs and on
+"""The GPU correctness tests' verdict (eodev.logprob_noise), on small hand-made runs and on
 the engine runs an H200 produced on 2026-12-01 (kept in tests/cpu/data/h200-runs/): the
 configurations that keep the unpatched order of sums pass at the noise itself, the two that
 reorder sums exceed it and pass within the stated tolerance, and a small fault fails.
@@ -13,8 +13,8 @@ import copy
 import pathlib
 
 import pytest
-from eotools import logprob_noise as lp
-from eotools.bench_offload import _from_runs
+from eodev import logprob_noise as lp
+from eodev.bench_offload import _from_runs
 
 RUNS = pathlib.Path(__file__).resolve().parent / "data/h200-runs"
 NOISE_RUNS = RUNS / "int4-8l-unpatched-noise"

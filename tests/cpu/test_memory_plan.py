@@ -146,6 +146,27 @@ def test_target_on_2x32GB_with_the_table_on_host(target):
     assert not short.fits and all(6 < c.min_host_gib < 7 for c in short.cards)
 
 
+def test_prefill_staging_adds_two_slots_of_the_largest_layers_host_experts(target):
+    """VLLM_EXPERT_PREFILL_STAGING=1 on 2x32GB at 7 GiB per card: 2,965 host experts over 24
+    MoE layers, at most 124 in a layer, two slots of them: 628,531,200 B (0.59 GiB) more per
+    card, which the 2x32GB cards do not have: the plan says so, and how much more to put on
+    host."""
+    shape, w = target
+    base = dict(ple_table="host", kv_cache_memory_bytes=3_600_000_000, host_gib_per_card=7.0)
+    off = mp.make_plan(shape, w, serving(**base))
+    on = mp.make_plan(shape, w, serving(**base, prefill_staging=True))
+    assert 7 * GiB // EXPERT == 2965 and -(-2965 // 24) == 124
+    for a, b in zip(off.cards, on.cards, strict=True):
+        assert a.staging == 0 and b.staging == 2 * 124 * EXPERT == 628_531_200
+        assert b.vram - a.vram == 628_531_200
+    assert off.fits and not on.fits
+    assert "+ prefill staging slots | 0.59 | 0.59 |" in mp.render_markdown(on)
+    assert "prefill staging" not in mp.render_markdown(off)
+    r = run(str(TARGET), "--topology", "2x32GB", "--prefill-staging", "--json")
+    doc = json.loads(r.stdout)
+    assert r.returncode == 1 and [c["staging"] for c in doc["cards"]] == [628_531_200] * 2
+
+
 def test_layer_partition_moves_layers_and_what_they_hold(target):
     shape, w = target
     plan = mp.make_plan(shape, w, serving(layer_partition=[26, 22], ple_table="host"))

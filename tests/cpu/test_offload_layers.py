@@ -560,7 +560,7 @@ def test_the_leak_test_fails_on_the_code_before_the_fix(tmp_path, repo_root):
     code = (
         f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})\n"
         "import test_offload_layers as t\n"
-        "from eotools.vllm_context import single_process_vllm\n"
+        "from eodev.vllm_context import single_process_vllm\n"
         "with single_process_vllm('gloo'):\n"
         f"    print('RESULT', t.leak_probe({cold_file(tmp_path, {2: [1, 5]})!r}))\n"
     )

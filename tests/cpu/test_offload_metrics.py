@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from eotools.bench import prom
+from eodev.bench import prom
 from test_offload_layers import loaded_split_model
 from test_one_table import loaded  # noqa: F401 (a fixture, used by runtime)
 from test_swap_runtime import runtime  # noqa: F401 (a fixture)

@@ -18,7 +18,7 @@ FAKE = pathlib.Path(__file__).with_name("fake_engine_probe.py")
 
 
 def _pair(tmp_path, monkeypatch, leader_requests, follower_requests, follower_startup):
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     return gh.run_engine_pair(
@@ -50,7 +50,7 @@ def test_a_partner_that_finishes_early_leaves_the_other_alone(tmp_path, monkeypa
 
 
 def test_a_bad_baton_spec_is_refused():
-    from eotools.engine_probe import Baton
+    from eodev.engine_probe import Baton
 
     for spec in ("leader:3:4", "3", "3:x"):
         with pytest.raises(ValueError, match="READ_FD:WRITE_FD"):
@@ -66,7 +66,7 @@ def _spans(*results):
 
 
 def test_a_group_takes_turns_in_order_and_starts_when_all_have_started(tmp_path, monkeypatch):
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     members = [
@@ -88,7 +88,7 @@ def test_a_group_takes_turns_in_order_and_starts_when_all_have_started(tmp_path,
 
 
 def test_a_member_that_dies_at_start_up_fails_alone(tmp_path, monkeypatch):
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     members = [
@@ -112,7 +112,7 @@ def test_a_member_that_dies_at_start_up_fails_alone(tmp_path, monkeypatch):
 def test_stagger_starts_the_others_once_the_first_have_started(tmp_path, monkeypatch):
     """stagger=2: a cold compile cache is filled by the first two engines before the
     others start (they would otherwise compile the same cache entries at once)."""
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     members = [
@@ -136,7 +136,7 @@ def test_a_group_past_its_timeout_is_killed(tmp_path, monkeypatch):
     import subprocess
     import time
 
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     members = [
@@ -154,7 +154,7 @@ def test_a_group_past_its_timeout_is_killed(tmp_path, monkeypatch):
 def test_a_finished_engine_shuts_down_before_the_next_timed_request(tmp_path, monkeypatch):
     """An engine that has run its last task keeps the turn until its process has exited:
     its shutdown (freeing its GPU memory) overlaps no other engine's timed request."""
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     members = [
@@ -172,7 +172,7 @@ def test_a_hung_exit_holds_the_turn_only_for_the_grace_time(tmp_path, monkeypatc
     unit's deadline it is killed, its result (written before the hang) kept."""
     import time
 
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     monkeypatch.setattr(gh, "EXIT_GRACE_S", 0.3)
@@ -191,7 +191,7 @@ def test_a_hung_exit_holds_the_turn_only_for_the_grace_time(tmp_path, monkeypatc
 def test_an_engine_that_hangs_in_a_request_fails_the_unit_without_raising(tmp_path, monkeypatch):
     """An engine stuck while it holds the turn: at the unit's deadline every engine still
     running is killed and reported failed; bench-offload then goes on with its other units."""
-    from eotools import gpu_harness as gh
+    from eodev import gpu_harness as gh
 
     monkeypatch.setattr(gh, "WORK", tmp_path)
     members = [

@@ -145,3 +145,11 @@ def test_tools_without_the_project_env_say_how_to_make_it(repo_root, bare_python
     assert r.returncode == 1
     assert "Traceback" not in r.stderr and "scripts/dev-env" in r.stderr, r.stderr
     assert f"there is no {tmp_path / 'no-venv'}/bin/python" in r.stderr
+
+
+def test_test_file_names_are_unique_across_cpu_and_gpu(repo_root):
+    """tests/ has no packages: pytest imports each test file by its base name, and a second
+    file of the same name stops the whole collection (the GPU tests are collected in CI too,
+    then deselected)."""
+    names = [p.name for p in (repo_root / "tests").rglob("test_*.py")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)

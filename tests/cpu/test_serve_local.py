@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -22,7 +24,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
+def fake_host(repo_root, tmp_path) -> dict[str, str]:
+    """An up-to-date patched vLLM copy (not patched again) and a fake server in place of the
+    image's entrypoint that records its arguments and environment; the environment to run
+    serve-local with."""
     site, patched = tmp_path / "site", tmp_path / "patched"
     (site / "vllm").mkdir(parents=True)
     (site / "vllm" / "_version.py").write_text("__version__ = '0.29.0'\n")
@@ -34,24 +39,29 @@ def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
         check=True,
     ).stdout.strip()
     patched.mkdir()
-    (patched / f".series-{stamp}").touch()  # an up-to-date patched copy: not patched again
+    (patched / f".series-{stamp}").touch()
     entry = tmp_path / "entrypoint"
     entry.write_text(
         "#!/usr/bin/env bash\n"
         f'printf "%s\\n" "$@" > {tmp_path}/args\n'
+        f"env > {tmp_path}/env\n"
         "while [[ $# -gt 0 && $1 != --port ]]; do shift; done\n"
         f'exec python3 {repo_root}/tests/cpu/fake_openai_server.py "$2"\n'
     )
     entry.chmod(0o755)
-    port = _free_port()
-    env = {
+    return {
         **os.environ,
         "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "EO_VLLM_SITE": str(site),
         "EO_VLLM_PATCHED": str(patched),
         "EO_ENTRYPOINT": str(entry),
-        "PORT": str(port),
+        "PORT": str(_free_port()),
     }
+
+
+def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
+    env = fake_host(repo_root, tmp_path)
+    port = int(env["PORT"])
     work = tmp_path / "work"
     r = subprocess.run(
         [str(repo_root / "scripts/serve-local"), str(work), "--attention-backend", "TRITON_ATTN"],
@@ -74,3 +84,90 @@ def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
     assert (work / "tiny-cold.json").is_file()
     with socket.socket() as s:  # the server was stopped
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root, tmp_path):
+    """compose/2x32GB.yml's arguments and environment, the model where this host has it, no
+    cold file (a budget-only start whose state stays in WORKDIR), Compose's ${VAR:-default}
+    from the shell, the extra arguments last."""
+    env = fake_host(repo_root, tmp_path)
+    model = tmp_path / "qwen4exp"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    work = tmp_path / "work"
+    command = [
+        str(repo_root / "scripts/serve-local"),
+        "--compose",
+        str(repo_root / "compose/2x32GB.yml"),
+        "--model",
+        str(model),
+        str(work),
+        "--max-model-len",
+        "4096",
+    ]
+    shell = {**env, "ONE_TABLE": "1", "SERVED_MODEL_NAME": "q4"}
+    for _ in range(2):  # a second start in the same WORKDIR keeps the first one's log
+        r = subprocess.run(command, env=shell, capture_output=True, text=True, timeout=600)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-3000:]
+    assert (work / "server.log").is_file() and (work / "server.1.log").is_file()
+    assert "serving" in out and "budget-only start" in out
+    assert "serve-local: the healthcheck command succeeded" in out
+    args = (tmp_path / "args").read_text().split("\n")
+    assert args[0] == str(model)
+    assert args[args.index("--pipeline-parallel-size") + 1] == "2"
+    assert args[args.index("--served-model-name") + 1] == "q4"
+    # the compose file's --max-model-len first, this host's last (argparse keeps the last)
+    lens = [args[i + 1] for i, a in enumerate(args) if a == "--max-model-len"]
+    assert lens == ["262144", "4096"]
+    seen = dict(
+        line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line
+    )
+    assert seen["EO_TOPOLOGY"] == "2x32GB"
+    assert seen["VLLM_PLE_TABLE"] == "host"
+    assert seen["VLLM_EXPERT_ONE_TABLE"] == "1"
+    assert seen["EO_HOST_BUDGET_GIB"] == "7"
+    assert seen["VLLM_EXPERT_COLD_FILE"] == ""
+    assert seen["EO_STATE_DIR"] == str(work / "state") and (work / "state").is_dir()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--compose", "compose/2x32GB.yml", "W"], "--compose needs --model DIR"),
+        (["--compose", "compose/none.yml", "--model", ".", "W"], "no compose file"),
+        (["--compose", "compose/2x32GB.yml", "--model", "scripts", "W"], "no config.json"),
+        (["--model", "scripts", "W"], "--model and --cold go with --compose"),
+        (["--frobnicate", "W"], "unknown option --frobnicate"),
+    ],
+)
+def test_serve_local_usage_errors(repo_root, argv, message):
+    r = subprocess.run(
+        [str(repo_root / "scripts/serve-local"), *argv],
+        cwd=repo_root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr
+
+
+def test_compose_service_replaces_the_mounts_and_reads_the_shell(repo_root, tmp_path):
+    from eodev.compose_service import local_service
+
+    svc = local_service(
+        repo_root / "compose/3x24GB.yml",
+        pathlib.Path("/m/q"),
+        pathlib.Path("/c/cold.json"),
+        tmp_path,
+        {"HOST_BUDGET_GIB": "2.5"},
+    )
+    assert svc.args[0] == "/m/q" and "--pipeline-parallel-size" in svc.args
+    assert svc.env["VLLM_EXPERT_COLD_FILE"] == "/c/cold.json"
+    assert svc.env["EO_HOST_BUDGET_GIB"] == "2.5" and svc.env["EO_TOPOLOGY"] == "3x24GB"
+    assert svc.served_model_name == "Qwen3.8-Flash-Next-INT4"
+    bad = tmp_path / "two.yml"
+    bad.write_text("services: {a: {command: [x]}, b: {command: [y]}}\n")
+    with pytest.raises(ValueError, match="expected one service"):
+        local_service(bad, pathlib.Path("/m"), None, tmp_path, {})

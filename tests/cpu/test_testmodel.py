@@ -14,11 +14,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from eotools.testmodel import data, gptq
-from eotools.testmodel.cli import PRESETS
-from eotools.testmodel.plant import DOMAINS, Plan, Planting
-from eotools.testmodel.reference import ReferenceModel
-from eotools.testmodel.stats import (
+from eodev.testmodel import data, gptq
+from eodev.testmodel.cli import PRESETS
+from eodev.testmodel.plant import DOMAINS, Plan, Planting
+from eodev.testmodel.reference import ReferenceModel
+from eodev.testmodel.stats import (
     calibration_report,
     cold_share,
     count_picks_from_ids,

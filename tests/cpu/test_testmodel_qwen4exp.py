@@ -17,10 +17,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-from eotools.testmodel import data, qwen4exp
-from eotools.testmodel.cli import QWEN4_PRESETS
-from eotools.testmodel.plant import CONTEXT_VALUE, Plan, Planting, load_plan
-from eotools.testmodel.reference import ReferenceModel
+from eodev.testmodel import data, qwen4exp
+from eodev.testmodel.cli import QWEN4_PRESETS
+from eodev.testmodel.plant import CONTEXT_VALUE, Plan, Planting, load_plan
+from eodev.testmodel.reference import ReferenceModel
 
 TINY = Plan(QWEN4_PRESETS["tiny"], Planting())
 SHAPE = qwen4exp.PRESETS["tiny"]
@@ -189,7 +189,7 @@ def test_planted_routing_is_what_the_plan_says(q4_int4, domain):
 
 # ---- cold-set tools ----------------------------------------------------------------------------
 def test_cold_set_tools_see_the_model_layers_not_mtp(q4_int4, tmp_path):
-    from eotools.coldset import synthetic_cold_file
+    from eodev.synthetic_cold import synthetic_cold_file
     from eotools.selection import expert_bytes
 
     doc = synthetic_cold_file(q4_int4, tmp_path / "cold.json", 51)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The --cpu-offload-gb budget that bench-offload gives vLLM for "the same host bytes":
 vLLM's offloader stops at the first parameter boundary at or above its budget, so the
-bench aims at the boundary nearest the bytes (scripts/eotools/bench/uva_budget.py).
+bench aims at the boundary nearest the bytes (scripts/eodev/bench/uva_budget.py).
 
     scripts/test tests/cpu/test_uva_budget.py
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 
-from eotools.bench.uva_budget import budget_for, offload_boundaries
+from eodev.bench.uva_budget import budget_for, offload_boundaries
 
 # the reference geometry (make-test-model, INT4): hidden 2560, expert width 640, group 128
 SIZES = {  # bytes of expert 0's tensors, per projection

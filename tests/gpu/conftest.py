@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GPU test fixtures: synthetic checkpoints, cold files and engine runs (eotools.gpu_harness).
+"""GPU test fixtures: synthetic checkpoints, cold files and engine runs (eodev.gpu_harness).
 
 Run on a GPU host (README.md, "GPU tests"); every test here is marked `gpu`."""
 
@@ -9,9 +9,9 @@ import os
 import pathlib
 
 import pytest
-from eotools import gpu_harness as gh
-from eotools.testmodel import data
-from eotools.testmodel.plant import Plan, load_plan
+from eodev import gpu_harness as gh
+from eodev.testmodel import data
+from eodev.testmodel.plant import Plan, load_plan
 
 INT4_LAYERS = int(os.environ.get("EO_GPU_LAYERS", "8"))
 HOST_EXPERTS_PER_LAYER = 64  # 12.5% of 512: one layer's worth over eight layers
@@ -40,7 +40,7 @@ def bf16_model() -> pathlib.Path:
 
 
 def _cold_file(model: pathlib.Path) -> pathlib.Path:
-    from eotools.coldset import synthetic_cold_file
+    from eodev.synthetic_cold import synthetic_cold_file
 
     out = gh.WORK / f"cold-{model.name}.json"
     if not out.exists():

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from eotools import gpu_harness as gh
+from eodev import gpu_harness as gh
 from eotools.count_experts import HookFiles
 from eotools.counts import load_counts
 

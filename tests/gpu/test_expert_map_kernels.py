@@ -16,8 +16,8 @@ import os
 
 import pytest
 import torch
-from eotools import gpu_harness as gh
-from eotools.testmodel import gptq
+from eodev import gpu_harness as gh
+from eodev.testmodel import gptq
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ PREFIX = "model.layers.1.mlp.experts"
 
 @pytest.fixture(scope="module")
 def vllm_context():
-    from eotools.vllm_context import single_process_vllm
+    from eodev.vllm_context import single_process_vllm
     from vllm.v1.worker.workspace import init_workspace_manager
 
     with single_process_vllm("nccl") as config:
@@ -270,7 +270,7 @@ def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, la
     hold beside their GPU experts is listed by the code that allocated it (CUDA allocator
     history), and the slack of the blocks that hold the experts is reported (torch counts
     whole blocks), so a failure names its cause."""
-    from eotools.engine_probe import allocation_sites, expert_block_slack, weight_blocks
+    from eodev.engine_probe import allocation_sites, expert_block_slack, weight_blocks
     from vllm.v1.worker.gpu_worker import Worker
 
     weights = _one_expert_checkpoint(512)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """offload-01 and offload-02 on a real engine (CUDA graphs on): greedy tokens identical to the
 unpatched server, per-token logprob differences within the unpatched server's own noise
-(twice that for configurations that reorder the kernel's sums: `eotools.logprob_noise`), and
+(twice that for configurations that reorder the kernel's sums: `eodev.logprob_noise`), and
 memory where it should be. 1 and 2 concurrent sequences; prefill chunks of 2048 and 512.
 
     python3 -m pytest tests/gpu/test_offload_correctness.py -m gpu -s   (env: README.md)
@@ -15,9 +15,9 @@ import pathlib
 
 import pytest
 from conftest import heldout_prompts, plan_of
-from eotools import gpu_harness as gh
-from eotools import logprob_noise as lp
-from eotools.testmodel import data
+from eodev import gpu_harness as gh
+from eodev import logprob_noise as lp
+from eodev.testmodel import data
 
 pytestmark = pytest.mark.gpu
 DECODE = 48
@@ -87,7 +87,7 @@ def _run(name, model, patched, chunk, env=None, swap_concurrency=False, stress_s
 def _check(tag: str, offload: dict, unpatched: dict, noise: dict, reordered: bool = False) -> None:
     """Greedy tokens identical and logprob differences within the unpatched noise; for a
     configuration that reorders the kernel's sums (`reordered`: offload-02, runtime swap),
-    within `lp.REORDERED_SUM_TOLERANCE` times the noise (why: `eotools.logprob_noise`)."""
+    within `lp.REORDERED_SUM_TOLERANCE` times the noise (why: `eodev.logprob_noise`)."""
     tolerance = lp.REORDERED_SUM_TOLERANCE if reordered else 1.0
     d = lp.diff_runs(offload, unpatched)
     report = {

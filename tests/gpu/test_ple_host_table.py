@@ -20,7 +20,7 @@ import pathlib
 import random
 
 import pytest
-from eotools import gpu_harness as gh
+from eodev import gpu_harness as gh
 
 pytestmark = pytest.mark.gpu
 DECODE = 32

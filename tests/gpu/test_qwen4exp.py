@@ -3,7 +3,7 @@
 INT4: PLE, hyper-connections, QSA, Gated DeltaNet, 512 experts top-10 with the gated shared
 expert), PP=1, CUDA graphs on: offload-01, offload-02, one table, one table with the runtime
 swap, each with the counting hook on, against the unpatched engine: greedy tokens identical and
-logprob differences within the unpatched engine's own noise (`eotools.logprob_noise`: twice
+logprob differences within the unpatched engine's own noise (`eodev.logprob_noise`: twice
 that where the kernel's sums are reordered by design). The shared expert's output is in every
 token (its down projection writes the token subspace the LM head reads). And the PLE table in
 host memory (VLLM_PLE_TABLE=host) against the same patched engine with it in VRAM (gpu): the
@@ -22,13 +22,14 @@ import json
 import os
 import pathlib
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 from conftest import heldout_prompts, plan_of
-from eotools import gpu_harness as gh
-from eotools import logprob_noise as lp
-from eotools.testmodel import data
+from eodev import gpu_harness as gh
+from eodev import logprob_noise as lp
+from eodev.testmodel import data
 
 pytestmark = pytest.mark.gpu
 DECODE = 48
@@ -55,7 +56,7 @@ def model() -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def cold_file(model) -> pathlib.Path:
-    from eotools.coldset import synthetic_cold_file
+    from eodev.synthetic_cold import synthetic_cold_file
 
     out = gh.WORK / f"cold-{model.name}.json"
     if not out.exists():
@@ -135,17 +136,22 @@ def _members(cold: pathlib.Path) -> dict[str, tuple[bool, dict, bool, int]]:
 COUNTED = ("q4-offload01", "q4-offload02", "q4-onetable", "q4-onetable-swap")
 
 
-@pytest.fixture(scope="module")
-def runs(model, cold_file) -> dict[str, dict]:
-    """Every engine of this file, side by side; the first two (one unpatched, one patched)
-    alone until they have started, so that each compile cache is filled once."""
-    members = _members(cold_file)
-    share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.08)
+def run_side_by_side(
+    model: pathlib.Path,
+    members: dict[str, tuple[bool, dict, bool, int]],
+    count_files: dict[str, pathlib.Path],
+    share: float,
+    engine_of: Callable[[str], dict] = lambda name: {},
+) -> dict[str, dict]:
+    """Engines (name -> patched, env, rebatched, swap stress steps) side by side, each with
+    this file's tasks and engine settings (plus `engine_of(name)`); those in `count_files`
+    count their picks into that file (its folder emptied first). The first two (one
+    unpatched, one patched) start alone, so that each compile cache is filled once."""
     group, prompts = [], {}
     for name, (patched, env, rebatched, stress) in members.items():
         env = dict(env)
-        if name in COUNTED:
-            path = _count_file(name)
+        if name in count_files:
+            path = count_files[name]
             path.parent.mkdir(parents=True, exist_ok=True)
             for old in path.parent.iterdir():
                 old.unlink()
@@ -158,6 +164,7 @@ def runs(model, cold_file) -> dict[str, dict]:
                 max_num_batched_tokens=CHUNK,
                 kv_cache_memory_bytes=KV_BYTES,
                 gpu_memory_utilization=share,
+                **engine_of(name),
             ),
             "tasks": _tasks(model, rebatched, stress),
         }
@@ -167,6 +174,14 @@ def runs(model, cold_file) -> dict[str, dict]:
     failed = [f"{m[0]}: {r}" for m, r in zip(group, out, strict=True) if isinstance(r, Exception)]
     assert not failed, "\n\n".join(failed)
     return {name: {**res, "prompts": prompts[name]} for name, res in zip(members, out, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def runs(model, cold_file) -> dict[str, dict]:
+    """Every engine of this file, side by side."""
+    share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.08)
+    counted = {name: _count_file(name) for name in COUNTED}
+    return run_side_by_side(model, _members(cold_file), counted, share)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import os
 
 import pytest
 import torch
-from eotools import gpu_harness as gh
+from eodev import gpu_harness as gh
 from test_expert_map_kernels import H, N, _checkpoint, _forget_layers, _process, _set_up_layer
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +39,7 @@ TOKENS = (1, 7, 64, 600)
 
 @pytest.fixture(scope="module")
 def vllm_context():
-    from eotools.vllm_context import single_process_vllm
+    from eodev.vllm_context import single_process_vllm
     from vllm.v1.worker.workspace import init_workspace_manager
 
     with single_process_vllm("nccl") as config:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import heldout_prompts, plan_of
-from eotools import gpu_harness as gh
-from eotools.testmodel.stats import cold_share, count_picks_from_ids, least_used
+from eodev import gpu_harness as gh
+from eodev.testmodel.stats import cold_share, count_picks_from_ids, least_used
 
 pytestmark = pytest.mark.gpu
 

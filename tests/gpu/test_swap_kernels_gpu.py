@@ -325,7 +325,7 @@ def test_timing_of_a_swap_across_pcie() -> None:
         vmm = _load_vmm()
     except Exception as e:  # cuda-python or vllm missing
         pytest.skip(f"VMM wrapper not importable: {e}")
-    from eotools.host_read import EXPERT_BYTES, EXPERT_PARTS
+    from eodev.host_read import EXPERT_BYTES, EXPERT_PARTS
 
     # enough rows that even the smallest tensor's table has rows past its first 2 MiB
     experts = 128

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from eotools.host_read import EXPERT_BYTES  # one INT4 expert of the target model
+from eodev.host_read import EXPERT_BYTES  # one INT4 expert of the target model
 from vllm.model_executor.layers.fused_moe.expert_offload import vmm
 
 try:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Timing metrics exactly as SPEC section 7 defines them, from per-token arrival times.
+"""Timing metrics exactly as docs/benchmarks.md defines them, from per-token arrival times.
 
 t0 is when the request was sent, t_i the arrival time of the chunk that carried token i (a chunk
 with several tokens gives all of them its arrival time), N the number of generated tokens:

@@ -54,7 +54,7 @@ def cold_share(cold: list[np.ndarray], counts: np.ndarray) -> float:
 
 
 def normalised_mix(per_set: list[np.ndarray]) -> np.ndarray:
-    """Sum of per-data-set counts, each normalised to sum 1 per layer (SPEC section 4)."""
+    """Sum of per-data-set counts, each normalised to sum 1 per layer (docs/cold-sets.md)."""
     return sum(c / np.maximum(c.sum(axis=1, keepdims=True), 1) for c in per_set)
 
 

@@ -13,10 +13,11 @@ CONFIGS = (
 
 
 def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
-    """A --configs entry: CONFIG[:N][+count][+churn|+hold][@TREE]. `:N` puts N experts of
-    every layer on host (offload-02/03; for cpu-offload-gb the same bytes); `+count` turns the
-    usage-counting hook on; `+churn` makes the runtime swap decide every decode step; `+hold`
-    makes it decide as usual with a margin no count reaches (no swap);
+    """A --configs entry: CONFIG[:N][+count][+churn|+hold][+stage][@TREE]. `:N` puts N
+    experts of every layer on host (offload-02/03; for cpu-offload-gb the same bytes);
+    `+count` turns the usage-counting hook on; `+churn` makes the runtime swap decide every
+    decode step; `+hold` makes it decide as usual with a margin no count reaches (no swap);
+    `+stage` turns offload-02's prefill staging on (VLLM_EXPERT_PREFILL_STAGING=1);
     `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
     spec, _, tree = spec.partition("@")
     head, *extras = spec.split("+")
@@ -31,8 +32,12 @@ def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
             raise SystemExit(f"{spec!r}: {name} has no host experts per layer to set")
         per_layer = int(size)
     for x in extras:
-        if x not in ("count", "churn", "hold"):
-            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count, +churn or +hold")
+        if x not in ("count", "churn", "hold", "stage"):
+            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count, +churn, +hold or +stage")
+    if "stage" in extras and name != "offload-02":
+        raise SystemExit(
+            f"+stage needs offload-02 (prefill staging stages split layers only), not {name}"
+        )
     for x in ("churn", "hold"):
         if x in extras and name != "offload-03-swap":
             raise SystemExit(f"+{x} needs offload-03-swap, not {name}")

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Shared by GPU tests and benchmarks: test models, cold files and engine runs on a GPU host.
 
-Engine runs go through eotools.engine_probe in a fresh process per configuration, with the
+Engine runs go through eodev.engine_probe in a fresh process per configuration, with the
 unpatched or the patched vLLM first on PYTHONPATH:
 
 - EO_VLLM_SITE: site folder with the pinned vLLM and its dependencies (unpatched);
@@ -121,7 +121,7 @@ class _Run:
         return {**json.loads(self.result_file.read_text()), "log_file": str(self.log_file)}
 
 
-_PROBE = [sys.executable, "-m", "eotools.engine_probe"]
+_PROBE = [sys.executable, "-m", "eodev.engine_probe"]
 
 
 def run_engine(
@@ -255,6 +255,16 @@ def run_engine_group(
         relay.join(timeout=10)
         for lf in logs:
             lf.close()
+    out = _group_results(runs, codes, late, timeout)
+    log(f"engine runs {', '.join(names)} (side by side) done in {time.time() - t0:.0f} s")
+    return out
+
+
+def _group_results(
+    runs: list[_Run], codes: list[int], late: set[int], timeout: float
+) -> list[dict | RuntimeError]:
+    """Each side-by-side engine's result from its exit code, or the RuntimeError that says
+    why there is none; an engine killed at the deadline after writing its result keeps it."""
     out: list[dict | RuntimeError] = []
     for i, (run, code) in enumerate(zip(runs, codes, strict=True)):
         if i in late and run.result_file.exists():  # it had finished; its exit hung
@@ -270,7 +280,6 @@ def run_engine_group(
             out.append(run.result())
         except RuntimeError as e:
             out.append(e)
-    log(f"engine runs {', '.join(names)} (side by side) done in {time.time() - t0:.0f} s")
     return out
 
 

@@ -32,8 +32,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+from eotools.ple_table import _primes_after
 
-from ..ple_table import _primes_after
 from .plant import CONTEXT_VALUE, EOS_ID, TOPIC_VALUE, Plan
 from .weights import TensorFactory, gptq_config
 

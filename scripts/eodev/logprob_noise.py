@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Is an offload run's output the unpatched server's, up to its own run-to-run noise?
 
-The GPU correctness tests compare engine runs (`eotools.engine_probe` results: per task, the
+The GPU correctness tests compare engine runs (`eodev.engine_probe` results: per task, the
 greedy token ids, their logprobs and the prompt logprobs). Greedy tokens must be identical.
 Logprob differences are compared with the largest difference between two runs of the
 unpatched server (identical runs, another prefill chunk, another batching), per statistic.

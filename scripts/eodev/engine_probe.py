@@ -1,12 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """Run one vLLM engine configuration in this process and record what it did.
 
-    python3 -m eotools.engine_probe CONFIG.json RESULT.json
+    python3 -m eodev.engine_probe CONFIG.json RESULT.json
 
 Each configuration runs in its own process (GPU tests and benchmarks start one per config), so
 environment variables such as VLLM_EXPERT_COLD_FILE are set before vLLM is imported and every
 engine starts clean. The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
 so the probe can also look at the loaded model: where its expert bytes live, and VRAM use.
+With pipeline parallelism ("pipeline_parallel_size" > 1 in "engine") the workers run in
+processes of their own: placement and swap counters come from every rank, merged in rank
+order (each rank's under "per_rank"), while the torch and VRAM figures are this process's.
 
 CONFIG: {"model": path, "env": {...}, "engine": {LLM keyword arguments},
          "tasks": [{"kind": "greedy" | "decode_timing" | "ttft" | "decode_ab", ...}, ...]}
@@ -543,7 +546,7 @@ def _timed_request(engine, rid: str, prompt: list[int], params) -> tuple[float, 
 
 
 def _decode_timing(llm, task: dict) -> dict:
-    """Per-token timestamps of one stream at a time, by stepping the engine (SPEC section 7:
+    """Per-token timestamps of one stream at a time, by stepping the engine (docs/benchmarks.md:
     TTFT = t1 - t0, TPOT = (tN - t1) / (N - 1), decode speed = (N - 1) / (tN - t1))."""
 
     engine = llm.llm_engine
@@ -842,6 +845,9 @@ def run(config: dict) -> dict:
     BATON = Baton(os.environ.get("EO_BATON"))
     os.environ.update({k: str(v) for k, v in config.get("env", {}).items()})
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if config.get("engine", {}).get("pipeline_parallel_size", 1) > 1:
+        # the workers run in their own processes: apply_model's functions travel pickled
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     affinity = pin_to_gpu_node()
     import torch
     from vllm import LLM
@@ -855,7 +861,7 @@ def run(config: dict) -> dict:
     llm = LLM(model=config["model"], **config.get("engine", {}))
     result["startup_s"] = time.perf_counter() - t0
     result["machine"] = {**machine(), "affinity": affinity}
-    placement = llm.apply_model(_expert_placement)[0]
+    placement = merge_placements(llm.apply_model(_expert_placement))
     free, total = torch.cuda.mem_get_info()
     result["memory"] = {
         **placement,
@@ -873,23 +879,62 @@ def run(config: dict) -> dict:
     BATON.ready()
     for task in config.get("tasks", []):
         t = time.perf_counter()
-        before = llm.apply_model(_swap_counters)[0]
+        before = merge_swap_counters(llm.apply_model(_swap_counters))
         whole = contextlib.nullcontext() if task["kind"] in _PER_REQUEST else BATON.turn()
         with whole:
             result["tasks"][task["name"]] = TASKS[task["kind"]](llm, task)
         result["tasks"][task["name"]]["wall_s"] = time.perf_counter() - t
-        after = llm.apply_model(_swap_counters)[0]
+        after = merge_swap_counters(llm.apply_model(_swap_counters))
         if after is not None:  # the runtime swap's counters over this task (offload-03)
             result["tasks"][task["name"]]["swap_delta"] = {
                 k: sum(after[k]) - (sum(before[k]) if before else 0)
                 for k in ("host_reads", "swaps")
             }
     result["memory"]["host_peak_rss_bytes"] = _vm_hwm_bytes()
-    result["swap"] = llm.apply_model(_swap_counters)[0]
+    result["swap"] = merge_swap_counters(llm.apply_model(_swap_counters))
     if BATON.active:
         result["baton_waited_s"] = BATON.waited_s
     BATON.hold_to_exit()
     return result
+
+
+def merge_placements(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's expert placement from its workers' (one per pipeline rank, in rank
+    order, each holding its stage's layers): counts and bytes add up, per-layer lists join
+    in rank order, layer-keyed maps merge, kernel and method names unite. One worker's is
+    returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict[str, Any] = {}
+    for key, first in parts[0].items():
+        values = [p[key] for p in parts]
+        if key in ("moe_methods", "moe_kernels"):
+            out[key] = sorted(set().union(*values))
+        elif isinstance(first, bool) or first is None:
+            out[key] = first
+        elif isinstance(first, int | float):
+            out[key] = sum(values)
+        elif isinstance(first, list):
+            out[key] = [x for v in values for x in v]
+        elif isinstance(first, dict):
+            out[key] = {k: x for v in values for k, x in v.items()}
+        else:
+            out[key] = first
+    out["per_rank"] = parts
+    return out
+
+
+def merge_swap_counters(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The runtime swap's counters of every pipeline rank as one engine's: per-layer lists
+    joined in rank order; the step and decision counts, which every rank shares, from the
+    first rank. None where no rank runs the swap."""
+    live = [p for p in parts if p is not None]
+    if len(parts) == 1 or not live:
+        return parts[0] if parts else None
+    out = dict(live[0])
+    for key in ("layers", "host_reads", "swaps"):
+        out[key] = [x for p in live for x in p[key]]
+    return out
 
 
 def _swap_counters(model) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ import os
 import pathlib
 import sys
 
-from .pin import ROOT
+from eotools.pin import ROOT
 
 
 def project_python() -> pathlib.Path:

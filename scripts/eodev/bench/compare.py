@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Score the same text on two servers and compare per-token logprobs (SPEC section 7).
+"""Score the same text on two servers and compare per-token logprobs (docs/benchmarks.md).
 
     scripts/compare-logprobs --a http://a:8000 --b http://b:8000 [--a2 http://a2:8000] \\
         --synthetic-model /models/synth --out bench/results/NAME.logprobs.json

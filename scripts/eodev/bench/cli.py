@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Benchmark one OpenAI-compatible server (SPEC section 7), or merge several servers' results.
+"""Benchmark one OpenAI-compatible server (docs/benchmarks.md), or merge several servers' results.
 
     scripts/bench --url http://localhost:8000 --config offload-02 \\
         --synthetic-model /models/synth --out bench/results/NAME-offload-02.json
@@ -169,7 +169,7 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if (args.prompts is None) == (args.synthetic_model is None):
         ap.error("give exactly one of --prompts and --synthetic-model")
     if args.repeats < 3 and not args.allow_few_repeats:
-        ap.error("--repeats must be at least 3 (SPEC section 7)")
+        ap.error("--repeats must be at least 3 (docs/benchmarks.md)")
     if args.max_tokens < 2 or args.long_max_tokens < 2:
         ap.error("--max-tokens and --long-max-tokens must be >= 2 (TPOT needs two tokens)")
     if args.per_domain < 1 or args.long_tokens < 1 or args.prompt_tokens < 1:

@@ -9,12 +9,15 @@ directives, JSON and shell forms, and ${VAR} / $VAR substitution in ENV and COPY
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import re
 import shlex
 from dataclasses import dataclass
 
+from eotools.envsubst import substitute
+
 _DIRECTIVE = re.compile(r"#\s*\w+\s*=")
-_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}|\$(\w+)")
 
 
 @dataclass(frozen=True)
@@ -48,18 +51,6 @@ def parse(text: str) -> list[Instruction]:
         keyword, _, value = joined.strip().partition(" ")
         out.append(Instruction(keyword.upper(), value.strip(), start))
     return out
-
-
-def substitute(text: str, env: dict[str, str]) -> str:
-    """Docker's ${VAR}, ${VAR:-default} and $VAR substitution (unset: empty)."""
-
-    def repl(m: re.Match) -> str:
-        name = m.group(1) or m.group(3)
-        if name in env and env[name] != "":
-            return env[name]
-        return m.group(2) or ""
-
-    return _VAR.sub(repl, text)
 
 
 def env_pairs(value: str, env: dict[str, str]) -> dict[str, str]:
@@ -133,3 +124,59 @@ def find_run(instructions: list[Instruction], needle: str) -> int:
     if len(found) != 1:
         raise LookupError(f"{len(found)} RUN instructions contain {needle!r}; expected one")
     return found[0]
+
+
+def _ignore_regex(pattern: str) -> re.Pattern[str]:
+    """A .dockerignore pattern as a regex: `*` and `?` stay within one path element, `**`
+    spans any number of them (Go's filepath.Match, as Docker extends it)."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
+
+
+def context_files(repo: pathlib.Path) -> list[str]:
+    """The files `docker build` sends from `repo` under its .dockerignore: the last pattern
+    that matches a file, or a folder above it, decides (a `!` pattern lets it through)."""
+    rules: list[tuple[bool, str, re.Pattern[str]]] = []
+    for line in (repo / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            pattern = line.removeprefix("!").strip("/")
+            rules.append((line.startswith("!"), pattern, _ignore_regex(pattern)))
+
+    def sent(rel: str) -> bool:
+        parts = rel.split("/")
+        prefixes = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+        decision = True
+        for keep, _, rx in rules:
+            if any(rx.fullmatch(p) for p in prefixes):
+                decision = keep
+        return decision
+
+    def may_hold_sent(rel: str) -> bool:  # a `!` pattern could reach below this folder
+        return any(keep and (p.startswith(rel + "/") or "*" in p) for keep, p, _ in rules)
+
+    files = []
+    for folder, dirs, names in os.walk(repo):
+        here = pathlib.Path(folder).relative_to(repo).as_posix()
+        base = "" if here == "." else here + "/"
+        dirs[:] = sorted(
+            d for d in dirs if d != ".git" and (sent(base + d) or may_hold_sent(base + d))
+        )
+        files += [base + n for n in sorted(names) if sent(base + n)]
+    return sorted(files)

@@ -18,7 +18,7 @@ HOST_EXPERTS_PER_LAYER = 64  # 12.5% of 512, as the GPU tests use
 
 def prepare(model_dir: pathlib.Path, cold_file: pathlib.Path, per_layer: int) -> int:
     """Make what is missing; an interrupted first start is redone, a finished one is kept."""
-    from .coldset import synthetic_cold_file
+    from .synthetic_cold import synthetic_cold_file
     from .testmodel.cli import main as make_test_model
 
     if (model_dir / DONE).exists():

@@ -61,7 +61,7 @@ class Planting:
     """Parameters of the planted routing structure, in router-logit units.
 
     The defaults were calibrated (docs in tests/README.md, numbers measured by
-    `scripts/make-test-model --report`) against the reference statistics of SPEC section 6.
+    `scripts/make-test-model --report`) against the reference statistics in tests/README.md.
     """
 
     seed: int = 0

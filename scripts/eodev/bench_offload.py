@@ -25,6 +25,7 @@ Exit codes: 0 every configuration ran; 1 one or more failed (the report lists th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gzip
 import hashlib
@@ -36,15 +37,15 @@ import subprocess
 import sys
 
 import numpy as np
+from eotools.selection import expert_bytes
 
 from . import gpu_harness as gh
 from .bench.configs import parse_spec
 from .bench.sweep import plot_sweep, sweep_lines
 from .bench.uva_budget import budget_for, offload_boundaries
-from .coldset import synthetic_cold_file
 from .engine_probe import expert_block_slack
 from .nvsmi import gpu_name
-from .selection import expert_bytes
+from .synthetic_cold import synthetic_cold_file
 from .testmodel import data
 from .testmodel.plant import Plan, load_plan
 
@@ -78,12 +79,8 @@ def _one_table_placement(memory: dict, placed: dict[int, set[int]]) -> dict[int,
     return {**placed, **{int(k): set(v) for k, v in table.items()}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="bench-offload",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model, its host experts, the configurations and the workloads' sizes."""
     ap.add_argument(
         "--model", type=pathlib.Path, required=True, help="a make-test-model INT4 checkpoint"
     )
@@ -123,14 +120,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--configs",
         default="offload-02,offload-01,unpatched,cpu-offload-gb",
-        help="comma-separated CONFIG[+count][+churn|+hold][@TREE]: +count turns the "
+        help="comma-separated CONFIG[:N][+count][+churn|+hold][+stage][@TREE]: +count turns the "
         "usage-counting hook on, +churn makes offload-03-swap decide every decode step with "
         "no margin and a half-life of one step (and self-check every 500 decisions), +hold "
         "makes it count and decide as usual but never swap (the cost of counting and "
-        "deciding alone, against offload-03), "
+        "deciding alone, against offload-03), +stage turns offload-02's prefill staging on, "
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )
+
+
+def _add_engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """How the engines run: side by side (--paired, --group), and their extra tasks."""
     ap.add_argument(
         "--paired",
         action="store_true",
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         "a configuration loses time; the profiler slows the host, so these wall times are "
         "not the benchmark's)",
     )
+
+
+def _add_report_arguments(ap: argparse.ArgumentParser) -> None:
+    """Where the result goes, and reports assembled from earlier runs."""
     ap.add_argument(
         "--compare-with",
         type=pathlib.Path,
@@ -194,43 +199,58 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ran-as", help="with --from-runs: the command that made the engine runs")
     ap.add_argument("--ran-at", help="with --from-runs: when the engine runs were made")
+
+
+def parser() -> argparse.ArgumentParser:
+    """bench-offload's command line."""
+    ap = argparse.ArgumentParser(
+        prog="bench-offload",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_suite_arguments(ap)
+    _add_engine_arguments(ap)
+    _add_report_arguments(ap)
+    return ap
+
+
+def _earlier_run(ap: argparse.ArgumentParser, path: pathlib.Path) -> dict:
+    """The earlier result of --compare-with, read before the GPU run so that a bad file
+    costs none of it (a usage error)."""
+    try:
+        earlier = json.loads(_read_maybe_gzip(path))
+    except (OSError, ValueError) as e:
+        ap.error(f"--compare-with {path}: {e}")
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("runs"), list):
+        ap.error(
+            f"--compare-with {path}: not a bench-offload result (no runs); "
+            "name the JSON file that an earlier run wrote with --out"
+        )
+    return earlier
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict | None]:
+    """The checked command line and the earlier result of --compare-with (None without);
+    also makes the output folder and, for engines side by side, sets their default share
+    of GPU memory."""
+    ap = parser()
     args = ap.parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.group < 0 or (args.paired and args.group not in (0, 1)):
         ap.error("--group takes K >= 1 configurations at a time (--paired is --group 1)")
     earlier = None
-    if args.compare_with is not None:  # read now: a bad file must not cost the GPU run
-        try:
-            earlier = json.loads(_read_maybe_gzip(args.compare_with))
-        except (OSError, ValueError) as e:
-            ap.error(f"--compare-with {args.compare_with}: {e}")
-        if not isinstance(earlier, dict) or not isinstance(earlier.get("runs"), list):
-            ap.error(
-                f"--compare-with {args.compare_with}: not a bench-offload result (no runs); "
-                "name the JSON file that an earlier run wrote with --out"
-            )
+    if args.compare_with is not None:
+        earlier = _earlier_run(ap, args.compare_with)
     if (args.paired or args.group) and not args.from_runs:
         # vLLM's start-up check of free GPU memory; the KV cache has a fixed size
         engines = 1 + max(args.group, 1)
         os.environ.setdefault("EO_GPU_MEMORY_UTILIZATION", f"{min(0.35, 1 / engines):.2f}")
+    return args, earlier
 
-    plan = load_plan(args.model)
-    cold_files: dict[int, tuple[pathlib.Path, dict[int, set[int]]]] = {}
 
-    def cold_set(per_layer: int) -> tuple[pathlib.Path, dict[int, set[int]]]:
-        """The cold file of `per_layer` host experts per layer (made once per size)."""
-        if per_layer not in cold_files:
-            suffix = "" if per_layer == args.host_experts_per_layer else f"-{per_layer}"
-            path = args.out.with_suffix(f".cold{suffix}.json")
-            doc = synthetic_cold_file(args.model, path, per_layer)
-            cold_files[per_layer] = (path, {int(k): set(v) for k, v in doc["layers"].items()})
-        return cold_files[per_layer]
-
-    host_layers = {int(x) for x in args.host_layers.split(",") if x}
-    every = set(range(plan.geometry.num_experts))
-    # where vLLM's --cpu-offload-gb can stop (None for a weightless model)
-    uva_stops = offload_boundaries(args.model, plan.geometry.num_layers, len(every))
-
+def workload_prompts(plan: Plan) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """The fresh prompts (one held-out prompt of every domain), the repeat prompts and the
+    long prompt's tokens that the TTFT tasks cut to length."""
     prompts = [
         list(next(data.conversations(plan, d, "heldout", 1, 256, seed=21)).token_ids)
         for d in plan.planting.domains
@@ -243,232 +263,366 @@ def main(argv: list[str] | None = None) -> int:
         for c in data.conversations(plan, "science", "heldout", 40, 256, seed=5)
         for t in c.token_ids
     ]
+    return prompts, repeat_prompts, long_words
+
+
+def engine_tasks(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    repeat_prompts: list[list[int]],
+    long_words: list[int],
+) -> list[dict]:
+    """The tasks every engine runs: decode timing and greedy tokens of both workloads, TTFT
+    at 2k and 8k prompt tokens, and (--profile) the decode profile."""
+    decode = {"max_tokens": args.decode_tokens, "warmup": 1, "repeats": args.repeats}
+    greedy = {"max_tokens": args.decode_tokens, "prompt_logprobs": False}
     tasks = [
-        {
-            "kind": "decode_timing",
-            "name": "fresh",
-            "prompts": prompts,
-            "max_tokens": args.decode_tokens,
-            "warmup": 1,
-            "repeats": args.repeats,
-        },
-        {
-            "kind": "greedy",
-            "name": "fresh_tokens",
-            "prompts": prompts,
-            "max_tokens": args.decode_tokens,
-            "prompt_logprobs": False,
-        },
-        {
-            "kind": "decode_timing",
-            "name": "repeat",
-            "prompts": repeat_prompts,
-            "max_tokens": args.decode_tokens,
-            "warmup": 1,
-            "repeats": args.repeats,
-        },
-        {
-            "kind": "greedy",
-            "name": "repeat_tokens",
-            "prompts": repeat_prompts,
-            "max_tokens": args.decode_tokens,
-            "prompt_logprobs": False,
-        },
+        {"kind": "decode_timing", "name": "fresh", "prompts": prompts, **decode},
+        {"kind": "greedy", "name": "fresh_tokens", "prompts": prompts, **greedy},
+        {"kind": "decode_timing", "name": "repeat", "prompts": repeat_prompts, **decode},
+        {"kind": "greedy", "name": "repeat_tokens", "prompts": repeat_prompts, **greedy},
         {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
     if args.profile:
         tasks.append(profile_task(prompts, args.decode_tokens))
-    results, not_run, failed = {}, [], {}
-    host_bytes: dict[int, int] = {}  # measured bytes on host, by host experts per layer
-    ran_model = args.model.name
+    return tasks
+
+
+def suite_specs(args: argparse.Namespace, num_experts: int) -> list[str]:
+    """The configurations to run: --configs, then the sweep's sizes of offload-03-swap and
+    cpu-offload-gb that are not already there."""
     specs = args.configs.split(",")
     for fraction in args.sweep:
-        n = max(1, round(fraction * plan.geometry.num_experts))
+        n = max(1, round(fraction * num_experts))
         for name in ("offload-03-swap", "cpu-offload-gb"):
             spec = name if n == args.host_experts_per_layer else f"{name}:{n}"
             if spec not in specs:  # the main table's size is not run twice
                 specs.append(spec)
-    group = 1 if args.paired else args.group  # 0: every configuration alone
+    return specs
 
-    def prepare(spec: str, rnd: int) -> dict:
-        """One configuration's engine run: its label, run config, and where its host
-        experts are (for host reads per token)."""
-        name, variant, tree, per_layer = parse_spec(spec)
-        per_layer = per_layer or args.host_experts_per_layer
-        in_round = f"-r{rnd}" if rnd > 1 else ""
-        env, engine, patched, placed = {}, gh.engine(), True, {}
-        if name == "offload-02":
-            cold_path, placed = cold_set(per_layer)
-            env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
-        elif name in ("offload-03", "offload-03-swap"):
-            cold_path, placed = cold_set(per_layer)
-            env = {"VLLM_EXPERT_COLD_FILE": str(cold_path), "VLLM_EXPERT_ONE_TABLE": "1"}
-            env["VLLM_EXPERT_SWAP"] = "1" if name == "offload-03-swap" else "0"
-        elif name == "offload-01":
-            env = {"VLLM_EXPERT_HOST_LAYERS": args.host_layers}
-            placed = {x: every for x in host_layers}
-        elif name == "unpatched":
-            patched = False
-        elif name == "cpu-offload-gb":
-            # the same host bytes as an offload run of this size made earlier in this run
-            # (in an earlier unit: members of one unit are prepared before any runs), else
-            # the checkpoint's expert bytes for that many experts in every layer
-            same = host_bytes.get(per_layer) or (
-                per_layer * plan.geometry.num_layers * expert_bytes(args.model)
-            )
-            # vLLM stops at the first parameter boundary at or above its budget: aim at
-            # the boundary nearest the bytes instead (bench/uva_budget.py)
-            budget = budget_for(same, uva_stops)[0] if uva_stops else same
-            engine = gh.engine(cpu_offload_gb=budget / GiB, cpu_offload_params=["experts"])
-            patched = False
-        if "count" in variant:
-            env["VLLM_EXPERT_COUNT_FILE"] = str(args.out.with_suffix(f".{name}.counts.json"))
-        if "churn" in variant:
-            # a decision every decode step on the last step's picks alone, no margin: swaps
-            # all the time; the live self-check verifies every row every 500 decisions
-            env.update(
-                VLLM_EXPERT_SWAP_INTERVAL="1",
-                VLLM_EXPERT_SWAP_HALF_LIFE="1",
-                VLLM_EXPERT_SWAP_MARGIN="0",
-                VLLM_EXPERT_SWAP_SELF_CHECK="500",
-            )
-        if "hold" in variant:
-            # counts and decisions as by default, but no count can exceed this margin
-            env["VLLM_EXPERT_SWAP_MARGIN"] = "1e30"
-        config_tasks = tasks
-        if args.decide_ab and name == "offload-03-swap" and not variant:
-            config_tasks = [*tasks, decide_ab_task(prompts, args.decode_tokens, args.repeats)]
-        return {
-            "spec": spec,
-            "name": name,
-            "variant": variant,
-            "tree": tree,
-            "per_layer": per_layer,
-            "label": f"bench-{spec_slug(spec)}{in_round}",
-            "patched": patched,
-            "placed": placed,
-            "run_config": {
-                "model": str(args.model),
-                "env": env,
-                "engine": engine,
-                "tasks": config_tasks,
-            },
-        }
 
-    units_run = 0
+@dataclasses.dataclass
+class Suite:
+    """What every configuration of one run shares: the command line, the model's planted
+    routing, the workloads and the engines' tasks, and what earlier configurations leave
+    for later ones (cold files made once per size, measured host bytes)."""
+
+    args: argparse.Namespace
+    plan: Plan
+    prompts: list[list[int]]
+    repeat_prompts: list[list[int]]
+    tasks: list[dict]
+    host_layers: set[int]
+    every: set[int]
+    # where vLLM's --cpu-offload-gb can stop (None for a weightless model)
+    uva_stops: list[tuple[int, int]] | None
+    cold_files: dict[int, tuple[pathlib.Path, dict[int, set[int]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    # measured bytes on host, by host experts per layer
+    host_bytes: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def cold_set(self, per_layer: int) -> tuple[pathlib.Path, dict[int, set[int]]]:
+        """The cold file of `per_layer` host experts per layer (made once per size)."""
+        if per_layer not in self.cold_files:
+            suffix = "" if per_layer == self.args.host_experts_per_layer else f"-{per_layer}"
+            path = self.args.out.with_suffix(f".cold{suffix}.json")
+            doc = synthetic_cold_file(self.args.model, path, per_layer)
+            layers = {int(k): set(v) for k, v in doc["layers"].items()}
+            self.cold_files[per_layer] = (path, layers)
+        return self.cold_files[per_layer]
+
+
+def make_suite(args: argparse.Namespace) -> Suite:
+    """The suite of this command line, on the model's planted routing."""
+    plan = load_plan(args.model)
+    host_layers = {int(x) for x in args.host_layers.split(",") if x}
+    every = set(range(plan.geometry.num_experts))
+    uva_stops = offload_boundaries(args.model, plan.geometry.num_layers, len(every))
+    prompts, repeat_prompts, long_words = workload_prompts(plan)
+    tasks = engine_tasks(args, prompts, repeat_prompts, long_words)
+    return Suite(args, plan, prompts, repeat_prompts, tasks, host_layers, every, uva_stops)
+
+
+@dataclasses.dataclass
+class Collected:
+    """The engine results of a run as they come in, by (configuration, round), and the
+    configurations that did not run or failed."""
+
+    ran_model: str
+    results: dict[tuple[str, int], dict] = dataclasses.field(default_factory=dict)
+    not_run: list[str] = dataclasses.field(default_factory=list)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)
     # the unpatched engines of the second and later units of a round (--paired, --group),
     # reported as rows of their own: each unit's baseline
-    unit_bases: list[str] = []
-    for rnd, unit in run_units(specs, args.rounds, group):
-        members = [prepare(spec, rnd) for spec in unit]
-        in_round = f"-r{rnd}" if rnd > 1 else ""
-        base_label = f"bench-unpatched-for-{'+'.join(map(spec_slug, unit))}{in_round}"
-        got: dict[str, dict] = {}
-        base_res = None
-        if args.from_runs:
-            base_res = _from_runs(args.from_runs, base_label) if group else None
-            for m in members:
-                res = _from_runs(args.from_runs, m["label"])
-                if res is None or (group and base_res is None):
-                    not_run.append(m["label"].removeprefix("bench-"))
-                    continue
-                ran_model = res.pop("ran_model", None) or ran_model
-                got[m["spec"]] = res
-        elif group:
-            # one unpatched engine beside the unit's, all taking turns request by request
-            base_config = {
-                "model": str(args.model),
-                "env": {},
-                "engine": gh.engine(),
-                "tasks": tasks,
-            }
-            side = [(base_label, base_config, False, None)] + [
-                (m["label"], m["run_config"], m["patched"], m["tree"]) for m in members
-            ]
-            # the first unit fills a cold compile cache with one engine of each kind before
-            # the others start (vLLM's cache index is not written atomically): the
-            # unpatched engine and the members up to the first patched one
-            first_patched = next((i for i, m in enumerate(members) if m["patched"]), 0)
-            stagger = 0 if units_run else 2 + first_patched
-            units_run += 1
-            try:
-                # a unit that hangs is cut off alone; the run's other units still run
-                outs = gh.run_engine_group(side, timeout=args.unit_timeout_s, stagger=stagger)
-            except subprocess.TimeoutExpired as e:
-                outs = [RuntimeError(str(e))] * len(side)
-            base_res = None if isinstance(outs[0], Exception) else outs[0]
-            for m, out in zip(members, outs[1:], strict=True):
-                # one configuration failing must not lose the others of the run; without
-                # its unpatched partner none of the unit has a ratio
-                err = out if isinstance(out, Exception) else outs[0]
-                if isinstance(err, Exception):
-                    gh.log(f"configuration {m['spec']} (round {rnd}) FAILED: {err}")
-                    failed[m["label"].removeprefix("bench-")] = str(err)[-2000:]
-                else:
-                    got[m["spec"]] = out
-        else:
-            (m,) = members
-            try:
-                got[m["spec"]] = gh.run_engine(
-                    m["label"], m["run_config"], m["patched"], tree=m["tree"]
-                )
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                gh.log(f"configuration {m['spec']} (round {rnd}) FAILED: {e}")
-                failed[m["label"].removeprefix("bench-")] = str(e)[-2000:]
-        if base_res is not None and got:
-            base_res["spec"] = dict(config="unpatched", variant="", tree=None, per_layer=None)
-            base_res["host_reads_per_token"] = {w: 0.0 for w in ("fresh", "repeat")}
-            base_res["partner_of"] = [m["spec"] for m in members if m["spec"] in got]
-            if results.setdefault(("unpatched", rnd), base_res) is not base_res:
-                label = f"unpatched (beside {', '.join(unit)})"
-                results[(label, rnd)] = base_res
-                unit_bases += [label] if label not in unit_bases else []
-        for m in members:
-            if m["spec"] not in got:
-                continue
-            res, name, per_layer, placed = got[m["spec"]], m["name"], m["per_layer"], m["placed"]
-            if base_res is not None:
-                res["paired_base"] = base_res
-            mem = res["memory"]
-            if name.startswith("offload-0") and name != "offload-01":
-                host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
-            share = None
-            if name == "cpu-offload-gb":
-                placed, share = _uva_placement(mem, plan.geometry.num_layers, every)
-            placed = _one_table_placement(mem, placed)
-            res["host_reads_per_token"] = {}
-            for workload, ps in (("fresh", prompts), ("repeat", repeat_prompts)):
-                if f"{workload}_tokens" not in res["tasks"]:  # a run made before this workload
-                    continue
-                outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
-                res["host_reads_per_token"][workload] = host_reads_per_token(
-                    plan, ps, outs, placed, share
-                )
-            res["spec"] = {
-                "config": name,
-                "variant": m["variant"],
-                "tree": m["tree"],
-                "per_layer": per_layer,
-            }
-            results[(m["spec"], rnd)] = res
+    unit_bases: list[str] = dataclasses.field(default_factory=list)
+    units_run: int = 0
 
+    def fail(self, member: dict, rnd: int, err: BaseException) -> None:
+        """Record a configuration whose engine failed; the others of the run go on."""
+        gh.log(f"configuration {member['spec']} (round {rnd}) FAILED: {err}")
+        self.failed[member["label"].removeprefix("bench-")] = str(err)[-2000:]
+
+
+def _placement_env(
+    suite: Suite, name: str, per_layer: int
+) -> tuple[dict[str, str], dict, bool, dict[int, set[int]]]:
+    """A configuration's environment, engine arguments, whether it runs the patched vLLM,
+    and where its host experts are."""
+    args, plan = suite.args, suite.plan
+    env, engine, patched, placed = {}, gh.engine(), True, {}
+    if name == "offload-02":
+        cold_path, placed = suite.cold_set(per_layer)
+        env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
+    elif name in ("offload-03", "offload-03-swap"):
+        cold_path, placed = suite.cold_set(per_layer)
+        env = {"VLLM_EXPERT_COLD_FILE": str(cold_path), "VLLM_EXPERT_ONE_TABLE": "1"}
+        env["VLLM_EXPERT_SWAP"] = "1" if name == "offload-03-swap" else "0"
+    elif name == "offload-01":
+        env = {"VLLM_EXPERT_HOST_LAYERS": args.host_layers}
+        placed = {x: suite.every for x in suite.host_layers}
+    elif name == "unpatched":
+        patched = False
+    elif name == "cpu-offload-gb":
+        # the same host bytes as an offload run of this size made earlier in this run
+        # (in an earlier unit: members of one unit are prepared before any runs), else
+        # the checkpoint's expert bytes for that many experts in every layer
+        same = suite.host_bytes.get(per_layer) or (
+            per_layer * plan.geometry.num_layers * expert_bytes(args.model)
+        )
+        # vLLM stops at the first parameter boundary at or above its budget: aim at
+        # the boundary nearest the bytes instead (bench/uva_budget.py)
+        budget = budget_for(same, suite.uva_stops)[0] if suite.uva_stops else same
+        engine = gh.engine(cpu_offload_gb=budget / GiB, cpu_offload_params=["experts"])
+        patched = False
+    return env, engine, patched, placed
+
+
+def _variant_env(env: dict[str, str], variant: str, name: str, out: pathlib.Path) -> None:
+    """Add the environment of a configuration's variants (+count, +churn, +hold, +stage) to
+    `env`."""
+    if "stage" in variant:
+        env["VLLM_EXPERT_PREFILL_STAGING"] = "1"
+    if "count" in variant:
+        env["VLLM_EXPERT_COUNT_FILE"] = str(out.with_suffix(f".{name}.counts.json"))
+    if "churn" in variant:
+        # a decision every decode step on the last step's picks alone, no margin: swaps
+        # all the time; the live self-check verifies every row every 500 decisions
+        env.update(
+            VLLM_EXPERT_SWAP_INTERVAL="1",
+            VLLM_EXPERT_SWAP_HALF_LIFE="1",
+            VLLM_EXPERT_SWAP_MARGIN="0",
+            VLLM_EXPERT_SWAP_SELF_CHECK="500",
+        )
+    if "hold" in variant:
+        # counts and decisions as by default, but no count can exceed this margin
+        env["VLLM_EXPERT_SWAP_MARGIN"] = "1e30"
+
+
+def prepare(suite: Suite, spec: str, rnd: int) -> dict:
+    """One configuration's engine run: its label, run config, and where its host
+    experts are (for host reads per token)."""
+    args = suite.args
+    name, variant, tree, per_layer = parse_spec(spec)
+    per_layer = per_layer or args.host_experts_per_layer
+    in_round = f"-r{rnd}" if rnd > 1 else ""
+    env, engine, patched, placed = _placement_env(suite, name, per_layer)
+    _variant_env(env, variant, name, args.out)
+    config_tasks = suite.tasks
+    if args.decide_ab and name == "offload-03-swap" and not variant:
+        config_tasks = [
+            *suite.tasks,
+            decide_ab_task(suite.prompts, args.decode_tokens, args.repeats),
+        ]
+    return {
+        "spec": spec,
+        "name": name,
+        "variant": variant,
+        "tree": tree,
+        "per_layer": per_layer,
+        "label": f"bench-{spec_slug(spec)}{in_round}",
+        "patched": patched,
+        "placed": placed,
+        "run_config": {
+            "model": str(args.model),
+            "env": env,
+            "engine": engine,
+            "tasks": config_tasks,
+        },
+    }
+
+
+def _unit_from_runs(
+    suite: Suite,
+    collected: Collected,
+    members: list[dict],
+    base_label: str,
+    group: int,
+) -> tuple[dict[str, dict], dict | None]:
+    """A unit's engine results found in --from-runs: (results by spec, the unit's unpatched
+    engine's result, None without); members without a result are listed as not run."""
+    folder = suite.args.from_runs
+    got: dict[str, dict] = {}
+    base_res = _from_runs(folder, base_label) if group else None
+    for m in members:
+        res = _from_runs(folder, m["label"])
+        if res is None or (group and base_res is None):
+            collected.not_run.append(m["label"].removeprefix("bench-"))
+            continue
+        collected.ran_model = res.pop("ran_model", None) or collected.ran_model
+        got[m["spec"]] = res
+    return got, base_res
+
+
+def _run_group_unit(
+    suite: Suite,
+    collected: Collected,
+    members: list[dict],
+    base_label: str,
+    rnd: int,
+) -> tuple[dict[str, dict], dict | None]:
+    """Run a unit's engines side by side with one unpatched engine, all taking turns request
+    by request: (results by spec, the unpatched engine's result, None if it failed)."""
+    args = suite.args
+    base_config = {
+        "model": str(args.model),
+        "env": {},
+        "engine": gh.engine(),
+        "tasks": suite.tasks,
+    }
+    side = [(base_label, base_config, False, None)] + [
+        (m["label"], m["run_config"], m["patched"], m["tree"]) for m in members
+    ]
+    # the first unit fills a cold compile cache with one engine of each kind before
+    # the others start (vLLM's cache index is not written atomically): the
+    # unpatched engine and the members up to the first patched one
+    first_patched = next((i for i, m in enumerate(members) if m["patched"]), 0)
+    stagger = 0 if collected.units_run else 2 + first_patched
+    collected.units_run += 1
+    try:
+        # a unit that hangs is cut off alone; the run's other units still run
+        outs = gh.run_engine_group(side, timeout=args.unit_timeout_s, stagger=stagger)
+    except subprocess.TimeoutExpired as e:
+        outs = [RuntimeError(str(e))] * len(side)
+    base_res = None if isinstance(outs[0], Exception) else outs[0]
+    got: dict[str, dict] = {}
+    for m, out in zip(members, outs[1:], strict=True):
+        # one configuration failing must not lose the others of the run; without
+        # its unpatched partner none of the unit has a ratio
+        err = out if isinstance(out, Exception) else outs[0]
+        if isinstance(err, Exception):
+            collected.fail(m, rnd, err)
+        else:
+            got[m["spec"]] = out
+    return got, base_res
+
+
+def _run_alone(collected: Collected, member: dict, rnd: int) -> dict[str, dict]:
+    """Run one configuration's engine alone: its result by spec (empty if it failed)."""
+    m = member
+    try:
+        return {m["spec"]: gh.run_engine(m["label"], m["run_config"], m["patched"], tree=m["tree"])}
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        collected.fail(m, rnd, e)
+        return {}
+
+
+def _keep_unit_base(
+    collected: Collected,
+    base_res: dict,
+    members: list[dict],
+    got: dict[str, dict],
+    unit: list[str],
+    rnd: int,
+) -> None:
+    """Keep a unit's unpatched engine as the round's unpatched row, or (second and later
+    units of a round) as a row of its own beside its configurations."""
+    base_res["spec"] = dict(config="unpatched", variant="", tree=None, per_layer=None)
+    base_res["host_reads_per_token"] = {w: 0.0 for w in ("fresh", "repeat")}
+    base_res["partner_of"] = [m["spec"] for m in members if m["spec"] in got]
+    if collected.results.setdefault(("unpatched", rnd), base_res) is not base_res:
+        label = f"unpatched (beside {', '.join(unit)})"
+        collected.results[(label, rnd)] = base_res
+        collected.unit_bases += [label] if label not in collected.unit_bases else []
+
+
+def _keep_member(
+    suite: Suite, collected: Collected, m: dict, res: dict, base_res: dict | None, rnd: int
+) -> None:
+    """Keep one configuration's result with its host reads per token of each workload
+    (from where its engine really put host experts)."""
+    plan, name, per_layer, placed = suite.plan, m["name"], m["per_layer"], m["placed"]
+    if base_res is not None:
+        res["paired_base"] = base_res
+    mem = res["memory"]
+    if name.startswith("offload-0") and name != "offload-01":
+        suite.host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
+    share = None
+    if name == "cpu-offload-gb":
+        placed, share = _uva_placement(mem, plan.geometry.num_layers, suite.every)
+    placed = _one_table_placement(mem, placed)
+    res["host_reads_per_token"] = {}
+    for workload, ps in (("fresh", suite.prompts), ("repeat", suite.repeat_prompts)):
+        if f"{workload}_tokens" not in res["tasks"]:  # a run made before this workload
+            continue
+        outs = [o["token_ids"] for o in res["tasks"][f"{workload}_tokens"]["outputs"]]
+        res["host_reads_per_token"][workload] = host_reads_per_token(plan, ps, outs, placed, share)
+    res["spec"] = {
+        "config": name,
+        "variant": m["variant"],
+        "tree": m["tree"],
+        "per_layer": per_layer,
+    }
+    collected.results[(m["spec"], rnd)] = res
+
+
+def run_unit(suite: Suite, collected: Collected, rnd: int, unit: list[str], group: int) -> None:
+    """Run (or, --from-runs, find) one unit's engines and keep their results."""
+    members = [prepare(suite, spec, rnd) for spec in unit]
+    in_round = f"-r{rnd}" if rnd > 1 else ""
+    base_label = f"bench-unpatched-for-{'+'.join(map(spec_slug, unit))}{in_round}"
+    base_res = None
+    if suite.args.from_runs:
+        got, base_res = _unit_from_runs(suite, collected, members, base_label, group)
+    elif group:
+        got, base_res = _run_group_unit(suite, collected, members, base_label, rnd)
+    else:
+        (m,) = members
+        got = _run_alone(collected, m, rnd)
+    if base_res is not None and got:
+        _keep_unit_base(collected, base_res, members, got, unit, rnd)
+    for m in members:
+        if m["spec"] in got:
+            _keep_member(suite, collected, m, got[m["spec"]], base_res, rnd)
+
+
+def _machines(results: dict) -> list[dict]:
+    """The hosts the engines ran on, each once, where recorded."""
     machines: list[dict] = []
     for res in results.values():
         if res.get("machine") and res["machine"] not in machines:
             machines.append(res["machine"])
+    return machines
+
+
+def collect_runs(
+    results: dict, specs: list[str], unit_bases: list[str], rounds: int, host_read_us
+) -> list[dict]:
+    """The report's rows, per configuration and workload: ratios against the paired
+    unpatched engine, else within the round, merged over the rounds."""
     runs = []
     for spec in specs + unit_bases:
         for workload in ("fresh", "repeat"):
             per_round = []
-            for rnd in range(1, args.rounds + 1):
+            for rnd in range(1, rounds + 1):
                 res = results.get((spec, rnd))
                 if res is None or workload not in res["tasks"]:
                     continue
                 # ratios against the paired unpatched engine, else within the round
                 base = res.get("paired_base") or results.get(("unpatched", rnd))
                 base = res if spec in unit_bases else base  # a unit's own baseline
-                row = _run_row(res["spec"]["config"], workload, res, base, args.host_read_us)
+                row = _run_row(res["spec"]["config"], workload, res, base, host_read_us)
                 if spec != res["spec"]["config"]:
                     row["variant"] = spec
                 if res["spec"]["config"] != "unpatched":
@@ -476,15 +630,27 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(agreement(res, base, workload))
                 per_round.append(row)
             if per_round:
-                runs.append(merge_rounds(per_round) if args.rounds > 1 else per_round[0])
+                runs.append(merge_rounds(per_round) if rounds > 1 else per_round[0])
+    return runs
+
+
+def result_doc(
+    suite: Suite,
+    collected: Collected,
+    specs: list[str],
+    earlier: dict | None,
+    argv: list[str] | None,
+) -> dict:
+    """The run's result in the project's format (the JSON that --out names)."""
+    args, results = suite.args, collected.results
     doc = {
         "suite": "bench-offload",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": gpu_name(),
         "command": "scripts/bench-offload " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": {
-            "path": ran_model,
-            "geometry": plan.geometry.__dict__,
+            "path": collected.ran_model,
+            "geometry": suite.plan.geometry.__dict__,
             "quantization": "gptq-int4 (Marlin MoE)",
             "host_experts_per_layer": args.host_experts_per_layer,
         },
@@ -492,8 +658,8 @@ def main(argv: list[str] | None = None) -> int:
         "host_read_us": args.host_read_us,
         "rounds": args.rounds,
         # the hosts the engines ran on (CPU, driver, PCIe link, clocks), where recorded
-        "machines": machines,
-        "runs": runs,
+        "machines": _machines(results),
+        "runs": collect_runs(results, specs, collected.unit_bases, args.rounds, args.host_read_us),
         # the decide kernel alone, inside one engine (--decide-ab): TPOT ratio per pair
         "decide_ab": {
             f"{spec} (round {rnd})": res["tasks"]["decide_ab"]
@@ -501,8 +667,8 @@ def main(argv: list[str] | None = None) -> int:
             if "decide_ab" in res["tasks"]
         },
         "profiles": profiles(results),
-        "not_run": not_run,
-        "failed": failed,
+        "not_run": collected.not_run,
+        "failed": collected.failed,
     }
     if earlier is not None:
         doc["reproduction"] = {
@@ -514,18 +680,35 @@ def main(argv: list[str] | None = None) -> int:
         doc["engine_runs_command"] = args.ran_as
         doc["date"] = f"{args.ran_at or 'unknown'} (report assembled {doc['date']})"
         doc["gpu"] = doc["gpu"] if doc["gpu"] != "unknown" else "NVIDIA H200 (from the runs)"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(doc))
+    return doc
+
+
+def write_report(doc: dict, out: pathlib.Path) -> None:
+    """The JSON, its markdown table and (with matplotlib) its plots."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(doc))
     try:
         from .bench.report import plot
 
-        plot(doc, args.out.with_suffix(".png"))
-        if plot_sweep(doc, args.out.with_suffix(".sweep.png")):
-            gh.log(f"wrote the sweep's plot {args.out.with_suffix('.sweep.png')}")
+        plot(doc, out.with_suffix(".png"))
+        if plot_sweep(doc, out.with_suffix(".sweep.png")):
+            gh.log(f"wrote the sweep's plot {out.with_suffix('.sweep.png')}")
     except ImportError:
         gh.log("no plot: matplotlib is not installed")
-    gh.log(f"wrote {args.out} and its .md table (and .png plot)")
+    gh.log(f"wrote {out} and its .md table (and .png plot)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, earlier = parse_args(argv)
+    suite = make_suite(args)
+    collected = Collected(ran_model=args.model.name)
+    specs = suite_specs(args, suite.plan.geometry.num_experts)
+    group = 1 if args.paired else args.group  # 0: every configuration alone
+    for rnd, unit in run_units(specs, args.rounds, group):
+        run_unit(suite, collected, rnd, unit, group)
+    write_report(result_doc(suite, collected, specs, earlier, argv), args.out)
+    failed = collected.failed
     if failed:  # the report keeps what ran; the exit status says that not everything did
         gh.log(f"{len(failed)} configuration(s) failed: {', '.join(failed)}")
         return 1

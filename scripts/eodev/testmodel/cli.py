@@ -16,7 +16,7 @@ from .plant import Geometry, Plan, Planting
 from .stats import calibration_report
 
 PRESETS = {
-    # the target model's expert geometry (SPEC section 1) with fewer layers
+    # the target model's expert geometry (Qwen3.8-Flash-Next) with fewer layers
     "target": Geometry(),
     # small enough for CPU tests; same experts, top-k and planted routing as "target"
     "tiny": Geometry(
@@ -58,7 +58,7 @@ ARCH_PRESETS = {"qwen3_moe": PRESETS, "qwen4_exp": QWEN4_PRESETS}
 EPILOG = """exit codes: 0 written; 1 bad arguments or geometry; 2 usage; 3 output directory
 not empty (use --force); 4 writing failed.
 
-The router picks of this model are planted (see scripts/eotools/testmodel/plant.py and
+The router picks of this model are planted (see scripts/eodev/testmodel/plant.py and
 tests/README.md): skewed expert popularity, domains and topics with preferred experts, and
 conversation locality. --report prints the simulated reference statistics."""
 

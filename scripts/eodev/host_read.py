@@ -28,8 +28,12 @@ import statistics
 import sys
 import time
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe.expert_offload import vmm
 
 try:
     import triton
@@ -221,30 +225,24 @@ def _bench_k(k: int, ctx: SimpleNamespace) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse_args(argv)
-    if triton is None:
-        sys.exit("needs Triton")
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    t_start = time.perf_counter()
-    dev = args.device
-    torch.cuda.set_device(dev)
+def _check_sizes(args: argparse.Namespace) -> list[int]:
+    """The Ks to time, once the row and pool sizes are known to fit them (else exit)."""
     ks = [int(k) for k in args.ks.split(",")]
     kmax = max(ks)
-    row_bytes = args.row_bytes
-    if row_bytes % 4:
+    if args.row_bytes % 4:
         sys.exit("--row-bytes must be a multiple of 4")
+    if args.pool_rows < kmax:
+        sys.exit(f"--pool-rows ({args.pool_rows}) must be >= the largest K ({kmax})")
+    return ks
+
+
+def _pool_data(
+    args: argparse.Namespace, dev: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pool's random words in VRAM, the same bytes in pinned host memory, and that
+    memory's UVA device view: the same bytes in every place read from."""
+    pool, row_bytes = args.pool_rows, args.row_bytes
     row_words = row_bytes // 4
-    pool = args.pool_rows
-    if pool < kmax:
-        sys.exit(f"--pool-rows ({pool}) must be >= the largest K ({kmax})")
-
-    reason = _vmm().probe_host_mapping(dev)
-    if reason is not None:
-        sys.exit(f"host mapping refused: {reason}")
-
-    # Pool data: random words, the same bytes in every place read from.
     g = torch.Generator(device=dev).manual_seed(args.seed)
     src = torch.randint(
         -(2**31), 2**31 - 1, (pool, row_words), dtype=torch.int32, device=dev,
@@ -253,8 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     pinned = torch.empty((pool, row_bytes), dtype=torch.uint8, pin_memory=True)
     pinned.view(torch.int32).copy_(src)
     uva = _pinned_device_view(pinned, dev).view(torch.int32).view(pool, row_words)
+    return src, pinned, uva
 
-    # One table: at least kmax GPU rows, the straddling row, then the host pool.
+
+def _one_table(
+    src: torch.Tensor, kmax: int, row_bytes: int, dev: int
+) -> tuple[vmm.SplitTable, torch.Tensor, int, int]:
+    """A one table of at least `kmax` GPU rows, the straddling row, then the host pool,
+    filled from `src`; with its int32 view, its first host row and its GPU rows filled."""
+    pool, row_words = src.shape
     gran = _vmm().granularity(dev)
     gpu_bytes = -(-kmax * row_bytes // gran) * gran
     table = _vmm().SplitTable(gpu_bytes // row_bytes + 1 + pool, row_bytes, gpu_bytes, device=dev)
@@ -264,13 +269,22 @@ def main(argv: list[str] | None = None) -> int:
     tab[first_host : first_host + pool].copy_(src)
     n_gpu = min(table.gpu_rows, pool)
     tab[:n_gpu].copy_(src[:n_gpu])
+    return table, tab, first_host, n_gpu
 
+
+def _bench_context(
+    args: argparse.Namespace, dev: int, kmax: int
+) -> tuple[vmm.SplitTable, SimpleNamespace]:
+    """The one table and what every K's cases read from and time with; the table outlives
+    the context (close it once the context, which holds views of it, is gone)."""
+    src, pinned, uva = _pool_data(args, dev)
+    table, tab, first_host, n_gpu = _one_table(src, kmax, args.row_bytes, dev)
     ctx = SimpleNamespace(
         args=args,
         dev=dev,
-        row_bytes=row_bytes,
-        row_words=row_words,
-        pool=pool,
+        row_bytes=args.row_bytes,
+        row_words=args.row_bytes // 4,
+        pool=args.pool_rows,
         n_gpu=n_gpu,
         first_host=first_host,
         tab=tab,
@@ -282,26 +296,32 @@ def main(argv: list[str] | None = None) -> int:
         timer=_Timer(dev),
         gen=torch.Generator().manual_seed(args.seed + 1),
     )
-    results = {f"K={k}": _bench_k(k, ctx) for k in ks}
-    del tab, uva, ctx
-    table_desc = repr(table)
-    table.close()
+    return table, ctx
 
+
+def _report(
+    args: argparse.Namespace,
+    table: vmm.SplitTable,
+    table_desc: str,
+    results: dict,
+    t_start: float,
+) -> dict:
+    """The JSON result: versions, the table, the settings and every K's results."""
     try:
         from cuda.bindings import __version__ as cb_version
     except ImportError:
         cb_version = None
-    report = {
-        "device": torch.cuda.get_device_name(dev),
+    return {
+        "device": torch.cuda.get_device_name(args.device),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda_bindings": cb_version,
         "python": platform.python_version(),
-        "row_bytes": row_bytes,
+        "row_bytes": args.row_bytes,
         "granularity": table.granularity,
         "numa_node": table.numa_node,
         "table": table_desc,
-        "pool_rows": pool,
+        "pool_rows": args.pool_rows,
         "repeats": args.repeats,
         "warmup": args.warmup,
         "chunk_words": args.chunk_words,
@@ -315,13 +335,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "elapsed_s": time.perf_counter() - t_start,
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
 
-    print(f"{report['device']}, row {row_bytes} B, {args.repeats} repeats")
+
+def _print_report(report: dict, out: str) -> None:
+    """The results as a table on stdout, a row per K and case, then the ratios."""
+    print(f"{report['device']}, row {report['row_bytes']} B, {report['repeats']} repeats")
     head = f"{'K':>3} {'case':<12} {'median ms':>10} {'p90 ms':>9} {'us/row':>8}"
     print(f"{head} {'GB/s':>7}  ok")
-    for res in results.values():
+    for res in report["results"].values():
         for name in ("vmm_host", "uva_pinned", "copy_engine", "vram", "vmm_gpu"):
             if name not in res:
                 continue
@@ -336,5 +357,31 @@ def main(argv: list[str] | None = None) -> int:
             f"(target <= {TARGET_RATIO}), / copy_engine = "
             f"{res['ratio_vmm_host_over_copy_engine']:.3f}"
         )
-    print(f"wrote {args.out} in {report['elapsed_s']:.1f} s")
+    print(f"wrote {out} in {report['elapsed_s']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if triton is None:
+        sys.exit("needs Triton")
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    t_start = time.perf_counter()
+    dev = args.device
+    torch.cuda.set_device(dev)
+    ks = _check_sizes(args)
+    reason = _vmm().probe_host_mapping(dev)
+    if reason is not None:
+        sys.exit(f"host mapping refused: {reason}")
+
+    table, ctx = _bench_context(args, dev, max(ks))
+    results = {f"K={k}": _bench_k(k, ctx) for k in ks}
+    del ctx  # its views of the table go before the table closes
+    table_desc = repr(table)
+    table.close()
+
+    report = _report(args, table, table_desc, results, t_start)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    _print_report(report, args.out)
     return 0 if report["all_data_ok"] else 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pathlib
 
-from ..selection import expert0_tensor_bytes
+from eotools.selection import expert0_tensor_bytes
 
 
 def _expert0_bytes(model_dir: pathlib.Path) -> dict[str, int] | None:

@@ -1,0 +1,210 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prefill staging (VLLM_EXPERT_PREFILL_STAGING) on the CPU: the series' own PrefillStaging
+with CPU tensors for the host arenas and the VRAM slots, and torch.cuda's streams and events
+replaced by recorders. Checks which layer is copied into which slot and when (one layer
+ahead, a slot reused only after the kernels queued before it, nothing copied again that a
+slot still holds), that the kernel's view holds exactly the host table's weights, the
+threshold and CUDA-graph capture, and the refusals. The copies' overlap and speed need a GPU
+(tests/gpu/test_prefill_staging_gpu.py).
+
+    scripts/test tests/cpu/test_prefill_staging.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+MIN_TOKENS = 64
+
+
+class Recorder:
+    """torch.cuda's stream and event calls that PrefillStaging makes, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.capturing = False
+        recorder = self
+
+        class Stream:
+            def __init__(self, device=None) -> None:
+                recorder.calls.append(("new_stream",))
+
+            def wait_stream(self, other) -> None:
+                recorder.calls.append(("side_waits_main",))
+
+        class Event:
+            def record(self, stream=None) -> None:
+                recorder.calls.append(("copy_done",))
+
+        class Main:
+            def wait_event(self, event) -> None:
+                recorder.calls.append(("main_waits_copy",))
+
+        self.Stream, self.Event, self.main = Stream, Event, Main()
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: self.main)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
+
+
+def host_table(seed: int, experts: int) -> types.SimpleNamespace:
+    """A split layer's host table in its arena: w13 (INT32, packed), scales, w2."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randint(-(2**31), 2**31 - 1, (experts, 16, 64), dtype=torch.int32, generator=g)
+    scales = torch.randn(experts, 2, 64, generator=g).to(torch.bfloat16)
+    w2 = torch.randint(-(2**31), 2**31 - 1, (experts, 8, 32), dtype=torch.int32, generator=g)
+    parts = [w13, scales, w2]
+    sizes = [(t.numel() * t.element_size() + 255) // 256 * 256 for t in parts]
+    arena = types.SimpleNamespace(nbytes=sum(sizes))
+    arena.host = torch.zeros(arena.nbytes, dtype=torch.uint8)
+    arena.device = arena.host  # on the CPU the GPU's view is the memory itself
+    views, at = [], 0
+    for t, size in zip(parts, sizes, strict=True):
+        n = t.numel() * t.element_size()
+        arena.host[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
+        views.append(arena.device[at : at + n].view(t.dtype).view(t.shape))
+        at += size
+    host = types.SimpleNamespace(
+        w13_weight=views[0], w13_scales=views[1], w2_weight=views[2], activation="silu"
+    )
+    host._expert_offload_arena = arena
+    return host
+
+
+@pytest.fixture
+def staging(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
+        PrefillStaging,
+    )
+
+    rec = Recorder()
+    rec.install(monkeypatch)
+    s = PrefillStaging(MIN_TOKENS)
+    hosts = {f"layers.{i}.mlp.experts": host_table(i, 4 + i) for i in range(4)}
+    for name, h in hosts.items():
+        s.register(h, name)
+    return s, rec, hosts
+
+
+def _copies(rec: Recorder) -> int:
+    return rec.calls.count(("copy_done",))
+
+
+def test_slots_fit_the_largest_layer_and_small_batches_read_host_memory(staging):
+    s, rec, hosts = staging
+    largest = max(
+        sum((getattr(h, n).numel() * 4 + 255) // 256 * 256 for n in ("w13_weight", "w2_weight"))
+        for h in hosts.values()
+    )
+    assert s.slot_bytes == largest and len(s._slots) == 2
+    assert s.staged("layers.0.mlp.experts", MIN_TOKENS - 1) is None  # decode-sized
+    assert rec.calls == [] and s.copies == 0
+
+
+def test_each_layer_is_copied_once_one_layer_ahead(staging):
+    s, rec, hosts = staging
+    names = list(hosts)
+    view = s.staged(names[0], 2048)
+    # layer 0 copied and waited for; layer 1's copy queued to overlap layer 0's compute
+    assert s.copies == 2
+    assert rec.calls == [
+        ("new_stream",),
+        ("side_waits_main",),
+        ("copy_done",),
+        ("main_waits_copy",),
+        ("side_waits_main",),
+        ("copy_done",),
+    ]
+    for name in names[1:]:
+        before = len(rec.calls)
+        view = s.staged(name, 2048)
+        new = rec.calls[before:]
+        # this layer's copy was queued by the layer before: only a wait for it
+        assert new[0] == ("main_waits_copy",)
+        # the next layer's copy, after every kernel queued so far (the slot's last reader)
+        if name != names[-1]:
+            assert new[1:] == [("side_waits_main",), ("copy_done",)]
+        else:
+            assert new[1:] == []
+        host = hosts[name]
+        assert torch.equal(view.w13_weight, host.w13_weight)
+        assert torch.equal(view.w2_weight, host.w2_weight)
+        assert view.w13_weight.data_ptr() != host.w13_weight.data_ptr()  # a copy
+        assert view.w13_scales is host.w13_scales and view.activation == "silu"
+    assert s.copies == len(names)
+    # layer i reads slot i % 2
+    slots = [s._slots[i % 2].data_ptr() for i in range(len(names))]
+    assert [s._view(n, i % 2).w13_weight.data_ptr() for i, n in enumerate(names)] == slots
+
+
+def test_the_next_forward_copies_what_the_slots_no_longer_hold(staging):
+    s, rec, hosts = staging
+    names = list(hosts)
+    for name in names:
+        s.staged(name, 1024)
+    assert s.copies == 4 and s._holds == [names[2], names[3]]
+    view = s.staged(names[0], 1024)  # slot 0 holds layer 2 now: copy 0, then 1
+    assert s.copies == 6
+    assert torch.equal(view.w2_weight, hosts[names[0]].w2_weight)
+    s.staged(names[1], 1024)
+    assert s.copies == 7  # layer 2 into slot 0, ahead; layer 1 was already there
+
+
+def test_a_layer_still_in_its_slot_is_not_copied_again(staging):
+    s, rec, hosts = staging
+    names = list(hosts)
+    s.staged(names[2], 4096)
+    assert s.copies == 2  # layers 2 and 3
+    s.staged(names[2], 4096)
+    assert s.copies == 2  # both still held
+
+
+def test_nothing_is_staged_while_a_cuda_graph_is_captured(staging):
+    s, rec, hosts = staging
+    rec.capturing = True
+    assert s.staged(next(iter(hosts)), 4096) is None
+    assert s.copies == 0
+
+
+def test_refusals_name_the_problem_and_the_setting(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload.config import ExpertOffloadError
+    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
+        PrefillStaging,
+    )
+
+    Recorder().install(monkeypatch)
+    with pytest.raises(ExpertOffloadError, match="MIN_TOKENS must be at least 1"):
+        PrefillStaging(0)
+    s = PrefillStaging(8)
+    plain = types.SimpleNamespace(w13_weight=torch.zeros(4), w2_weight=torch.zeros(4))
+    with pytest.raises(ExpertOffloadError, match="no host arena.*VLLM_EXPERT_PREFILL_STAGING"):
+        s.register(plain, "layers.0.mlp.experts")
+    h = host_table(0, 4)
+    h.w13_weight = h.w13_weight.transpose(1, 2)
+    with pytest.raises(ExpertOffloadError, match="not contiguous"):
+        s.register(h, "layers.0.mlp.experts")
+    h = host_table(0, 4)
+    h.w2_weight = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ExpertOffloadError, match="not in the layer's host arena"):
+        s.register(h, "layers.0.mlp.experts")
+
+
+def test_the_setting_makes_one_staging_per_worker(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload import prefill_staging
+
+    monkeypatch.setattr(prefill_staging, "_staging", None)
+    monkeypatch.delenv("VLLM_EXPERT_PREFILL_STAGING", raising=False)
+    assert prefill_staging.staging_for_registration() is None  # off by default
+    monkeypatch.setenv("VLLM_EXPERT_PREFILL_STAGING", "1")
+    monkeypatch.setenv("VLLM_EXPERT_PREFILL_STAGING_MIN_TOKENS", "300")
+    first = prefill_staging.staging_for_registration()
+    assert first is not None and first.min_tokens == 300
+    assert prefill_staging.staging_for_registration() is first
+    assert prefill_staging.get_staging() is first

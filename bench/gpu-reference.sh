@@ -19,8 +19,10 @@
 #   prefill    offload-02 with and without prefill staging (VLLM_EXPERT_PREFILL_STAGING) beside
 #              unpatched at 10% and 40% host on the 16-layer model: TTFT 2k/8k, decode
 #   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
-#              (tests/gpu/test_qwen4exp_pp2.py), and compose/2x32GB.yml's command line served
-#              with it, twice: a budget-only start, then the start that uses what it learned
+#              (tests/gpu/test_qwen4exp_pp2.py); unpatched, offload-02 and offload-03-swap at
+#              PP=2 on a 24-layer model at 10% host side by side; compose/2x32GB.yml's command
+#              line served with the Qwen4Exp model twice: a budget-only start, then the start
+#              that uses what it learned
 #
 # Results go to R (default /tmp/eo-out), one folder per part with its logs, summary.txt, the
 # report (JSON, Markdown, plots) and the engine runs packed as runs.tgz; R/PART.done marks a
@@ -88,9 +90,11 @@ run_part() {
       ;;
     pp2)
       local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
-      scripts/gpu-suite --budget-s 120 --out "$R/pp2-model" \
-        'model:qwen4exp-tiny-int4:--arch qwen4_exp --preset tiny --quant int4' || return 1
+      scripts/gpu-suite --budget-s 600 --out "$R/pp2-model" \
+        'model:qwen4exp-tiny-int4:--arch qwen4_exp --preset tiny --quant int4' \
+        'model:target-int4-24l:--layers 24' || return 1
       part pp2 "tests:tests/gpu/test_qwen4exp_pp2.py -rA -s" \
+        "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --pp-size 2 --configs unpatched,offload-02,offload-03-swap --group 2 ${RUN[*]} --out OUT/pp2-24l.json" \
         "serve:--compose compose/2x32GB.yml --model $q4 ${small[*]} --attention-backend TRITON_ATTN" \
         "serve:--compose compose/2x32GB.yml --model $q4 ${small[*]} --attention-backend TRITON_ATTN"
       ;;

@@ -92,6 +92,13 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--host-layers", default="0", help="VLLM_EXPERT_HOST_LAYERS for offload-01")
     ap.add_argument(
+        "--pp-size",
+        type=int,
+        default=1,
+        help="pipeline parallel size of every engine (2: two GPUs, each engine on both; the "
+        "engine probe merges the ranks' placement and swap counters)",
+    )
+    ap.add_argument(
         "--sweep",
         type=lambda v: [float(x) for x in v.split(",") if x],
         default=[],
@@ -365,13 +372,20 @@ class Collected:
         self.failed[member["label"].removeprefix("bench-")] = str(err)[-2000:]
 
 
+def suite_engine(args: argparse.Namespace, **overrides) -> dict:
+    """gpu_harness's engine settings with this run's pipeline parallel size."""
+    if args.pp_size > 1:
+        overrides["pipeline_parallel_size"] = args.pp_size
+    return gh.engine(**overrides)
+
+
 def _placement_env(
     suite: Suite, name: str, per_layer: int
 ) -> tuple[dict[str, str], dict, bool, dict[int, set[int]]]:
     """A configuration's environment, engine arguments, whether it runs the patched vLLM,
     and where its host experts are."""
     args, plan = suite.args, suite.plan
-    env, engine, patched, placed = {}, gh.engine(), True, {}
+    env, engine, patched, placed = {}, suite_engine(args), True, {}
     if name == "offload-02":
         cold_path, placed = suite.cold_set(per_layer)
         env = {"VLLM_EXPERT_COLD_FILE": str(cold_path)}
@@ -394,7 +408,7 @@ def _placement_env(
         # vLLM stops at the first parameter boundary at or above its budget: aim at
         # the boundary nearest the bytes instead (bench/uva_budget.py)
         budget = budget_for(same, suite.uva_stops)[0] if suite.uva_stops else same
-        engine = gh.engine(cpu_offload_gb=budget / GiB, cpu_offload_params=["experts"])
+        engine = suite_engine(args, cpu_offload_gb=budget / GiB, cpu_offload_params=["experts"])
         patched = False
     return env, engine, patched, placed
 
@@ -488,7 +502,7 @@ def _run_group_unit(
     base_config = {
         "model": str(args.model),
         "env": {},
-        "engine": gh.engine(),
+        "engine": suite_engine(args),
         "tasks": suite.tasks,
     }
     side = [(base_label, base_config, False, None)] + [

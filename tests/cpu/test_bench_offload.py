@@ -106,6 +106,16 @@ def test_config_specs():
             parse_spec(spec)
 
 
+def test_pp_size_reaches_every_engine():
+    import argparse
+
+    from eodev.bench_offload import suite_engine
+
+    assert "pipeline_parallel_size" not in suite_engine(argparse.Namespace(pp_size=1))
+    two = suite_engine(argparse.Namespace(pp_size=2), cpu_offload_gb=1.5)
+    assert two["pipeline_parallel_size"] == 2 and two["cpu_offload_gb"] == 1.5
+
+
 def test_the_stage_variant_turns_prefill_staging_on(tmp_path):
     from eodev.bench_offload import _variant_env
 

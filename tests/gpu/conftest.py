@@ -29,6 +29,40 @@ def heldout_prompts(plan: Plan, words: int = 256) -> list[list[int]]:
     ]
 
 
+def compared_tasks(
+    short: list[list[int]], long: list[int], decode: int, rebatched: bool, stress: int
+) -> list[dict]:
+    """The greedy tasks the correctness tests compare: two of four prompts (three short, one
+    long), one decoded alone (c1) and one two at a time (c2); `rebatched` swaps the two
+    batchings (what a request computes depends on what it is batched with: the unpatched
+    noise of batching). With `stress` > 0, a task of that many decode steps (three prompts,
+    one at a time) comes first, so that the compared tasks run after it."""
+    c1, c2 = (2, 1) if rebatched else (1, 2)
+    pre = {
+        "kind": "greedy",
+        "name": "stress",
+        "prompts": short[:3],
+        "max_tokens": -(-stress // 3),
+        "concurrency": 1,
+    }
+    return [pre] * bool(stress) + [
+        {
+            "kind": "greedy",
+            "name": "c1",
+            "prompts": [short[0], short[1], short[2], long],
+            "max_tokens": decode,
+            "concurrency": c1,
+        },
+        {
+            "kind": "greedy",
+            "name": "c2",
+            "prompts": [short[3], short[4], short[5], long],
+            "max_tokens": decode,
+            "concurrency": c2,
+        },
+    ]
+
+
 @pytest.fixture(scope="session")
 def int4_model() -> pathlib.Path:
     return gh.make_model(f"target-int4-{INT4_LAYERS}l", "--layers", str(INT4_LAYERS))

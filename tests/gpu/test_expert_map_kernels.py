@@ -116,6 +116,14 @@ def _set_up_layer(tmp_path, layer, num_experts, cold_ids, quant):
 def _load(num_experts, top_k, quant, weights, cold_ids, tmp_path, layer: int = 1):
     """MoE layer ``layer`` built (split by ``cold_ids`` on host, if given) and its
     checkpoint loaded, not yet repacked: vLLM loads every layer before it processes any."""
+    return _load_runner(
+        num_experts, top_k, quant, weights, cold_ids, tmp_path, layer
+    ).routed_experts
+
+
+def _load_runner(num_experts, top_k, quant, weights, cold_ids, tmp_path, layer=1, **factory):
+    """The layer's runner (FusedMoEFactory, with `factory`'s extra arguments: a shared
+    expert, a gate, ...) built and its checkpoint loaded, not yet repacked."""
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.fused_moe.expert_offload import planner
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
@@ -133,12 +141,13 @@ def _load(num_experts, top_k, quant, weights, cold_ids, tmp_path, layer: int = 1
             params_dtype=torch.bfloat16,
             quant_config=qc,
             prefix=prefix,
+            **factory,
         )
     os.environ.pop("VLLM_EXPERT_COLD_FILE", None)
     planner.reset_planner()
     loaded = list(runner.load_weights(iter(weights)))
     assert len(loaded) == len(weights)
-    return runner.routed_experts
+    return runner
 
 
 def _process(experts) -> None:

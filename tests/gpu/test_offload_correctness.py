@@ -14,7 +14,7 @@ import os
 import pathlib
 
 import pytest
-from conftest import heldout_prompts, plan_of
+from conftest import compared_tasks, heldout_prompts, plan_of
 from eodev import gpu_harness as gh
 from eodev import logprob_noise as lp
 from eodev.testmodel import data
@@ -36,38 +36,9 @@ def _prompts(model):
 
 
 def _tasks(model, swap_concurrency: bool = False, stress_steps: int = 0) -> list[dict]:
-    """Two tasks of four prompts, one decoded alone and one two at a time. With
-    `swap_concurrency`, the same prompts in the other batching: what the unpatched server
-    computes for a request depends on what it is batched with, which is run-to-run noise.
-    With `stress_steps`, a task of that many decode steps (three prompts, one at a time)
-    comes first, so that the compared tasks run after it."""
+    """conftest.compared_tasks with this file's prompts (the long one ~3000 tokens)."""
     short, long = _prompts(model)
-    c1, c2 = (2, 1) if swap_concurrency else (1, 2)
-    stress = [
-        {
-            "kind": "greedy",
-            "name": "stress",
-            "prompts": short[:3],
-            "max_tokens": -(-stress_steps // 3),
-            "concurrency": 1,
-        }
-    ]
-    return stress * bool(stress_steps) + [
-        {
-            "kind": "greedy",
-            "name": "c1",
-            "prompts": [short[0], short[1], short[2], long],
-            "max_tokens": DECODE,
-            "concurrency": c1,
-        },
-        {
-            "kind": "greedy",
-            "name": "c2",
-            "prompts": [short[3], short[4], short[5], long],
-            "max_tokens": DECODE,
-            "concurrency": c2,
-        },
-    ]
+    return compared_tasks(short, long, DECODE, swap_concurrency, stress_steps)
 
 
 def _config(model, chunk, env=None, swap_concurrency=False, stress_steps=0, **engine) -> dict:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import heldout_prompts, plan_of
+from conftest import compared_tasks, heldout_prompts, plan_of
 from eodev import gpu_harness as gh
 from eodev import logprob_noise as lp
 from eodev.testmodel import data
@@ -70,36 +70,10 @@ def _tasks(model: pathlib.Path, rebatched: bool = False, stress: int = 0) -> lis
     the planted prefix mean), decoded alone (c1) and two at a time (c2); `rebatched` swaps
     the two batchings (the unpatched noise of batching)."""
     plan = plan_of(model)
-    short = heldout_prompts(plan)
     long = [
         t for c in data.conversations(plan, "legal", "heldout", 7, 250, seed=3) for t in c.token_ids
     ]
-    c1, c2 = (2, 1) if rebatched else (1, 2)
-    pre = [
-        {
-            "kind": "greedy",
-            "name": "stress",
-            "prompts": short[:3],
-            "max_tokens": -(-stress // 3),
-            "concurrency": 1,
-        }
-    ]
-    return pre * bool(stress) + [
-        {
-            "kind": "greedy",
-            "name": "c1",
-            "prompts": [short[0], short[1], short[2], long],
-            "max_tokens": DECODE,
-            "concurrency": c1,
-        },
-        {
-            "kind": "greedy",
-            "name": "c2",
-            "prompts": [short[3], short[4], short[5], long],
-            "max_tokens": DECODE,
-            "concurrency": c2,
-        },
-    ]
+    return compared_tasks(heldout_prompts(plan), long, DECODE, rebatched, stress)
 
 
 def _count_file(name: str) -> pathlib.Path:

@@ -24,12 +24,10 @@ the routed experts (NO_OVERLAP); the order each call took is logged and both mus
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from eodev import gpu_harness as gh
-from test_expert_map_kernels import H, N, _checkpoint, _forget_layers, _process, _set_up_layer
+from test_expert_map_kernels import H, _checkpoint, _forget_layers, _load_runner, _process
 
 pytestmark = pytest.mark.gpu
 
@@ -90,28 +88,18 @@ def _runner(layer, num_experts, top_k, quant, weights, cold_ids, tmp_path, share
     """A MoE layer as Qwen3NextSparseMoeBlock builds it (router gate in the runner, gated
     shared expert, renormalised top-k), split by ``cold_ids`` if given, loaded and
     processed."""
-
-    from vllm.model_executor.layers.fused_moe.expert_offload import planner
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
-
-    qc = _set_up_layer(tmp_path, layer, num_experts, cold_ids, quant)
-    with torch.device("cuda"):
-        runner = FusedMoEFactory(
-            num_experts=num_experts,
-            top_k=top_k,
-            hidden_size=H,
-            intermediate_size=N,
-            params_dtype=torch.bfloat16,
-            renormalize=True,
-            quant_config=qc,
-            prefix=f"model.layers.{layer}.mlp.experts",
-            shared_experts=shared,
-            gate=gate,
-        )
-    os.environ.pop("VLLM_EXPERT_COLD_FILE", None)
-    planner.reset_planner()
-    loaded = list(runner.load_weights(iter(weights)))
-    assert len(loaded) == len(weights)
+    runner = _load_runner(
+        num_experts,
+        top_k,
+        quant,
+        weights,
+        cold_ids,
+        tmp_path,
+        layer,
+        renormalize=True,
+        shared_experts=shared,
+        gate=gate,
+    )
     _process(runner.routed_experts)
     return runner
 

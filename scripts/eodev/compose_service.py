@@ -12,10 +12,9 @@ import pathlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import yaml
-from eotools.envsubst import substitute
+from eotools.compose import read_service
 
 
 @dataclass
@@ -32,21 +31,15 @@ def local_service(
     state: pathlib.Path,
     environ: Mapping[str, str],
 ) -> LocalService:
-    doc: dict[str, Any] = yaml.safe_load(compose.read_text())
-    services = doc.get("services") or {}
-    if len(services) != 1:
-        raise ValueError(f"{compose}: expected one service, found {len(services)}")
-    [svc] = services.values()
-    env_vars = dict(environ)
-    args = [substitute(str(a), env_vars) for a in svc.get("command") or []]
+    svc = read_service(compose, environ)
+    args = svc.command
     if not args or not args[0].startswith("/models/"):
         raise ValueError(f"{compose}: the command does not start with a /models/... folder")
-    env = {k: substitute(str(v), env_vars) for k, v in (svc.get("environment") or {}).items()}
+    env = dict(svc.environment)
     env["VLLM_EXPERT_COLD_FILE"] = str(cold) if cold else ""
     if "EO_STATE_DIR" in env:
         env["EO_STATE_DIR"] = str(state)
-    build_args = (svc.get("build") or {}).get("args") or {}
-    env["EO_TOPOLOGY"] = str(build_args.get("TOPOLOGY", "any"))
+    env["EO_TOPOLOGY"] = svc.build_args.get("TOPOLOGY", "any")
     served = str(model)
     if "--served-model-name" in args:
         served = args[args.index("--served-model-name") + 1]

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .envsubst import substitute
+from .compose import read_service
 from .ple_table import _primes_after
 from .selection import GiB, SelectionError, stage_layers
 from .topologies import TOPOLOGIES
@@ -500,20 +500,20 @@ def usable_vram_bytes(vram_gib: float) -> int:
 
 def read_compose(path: pathlib.Path) -> dict[str, Any]:
     """The serving settings of a compose file (defaults of its ${VAR:-default} taken)."""
-    import yaml
-
-    doc = yaml.safe_load(path.read_text())
-    [svc] = doc["services"].values()
-    args = [substitute(str(a), {}) for a in svc.get("command", [])]
-    env = {k: substitute(str(v), {}) for k, v in (svc.get("environment") or {}).items()}
+    svc = read_service(path)
+    args = svc.command
     flags: dict[str, str | None] = {}
     for i, arg in enumerate(args):
         if arg.startswith("--"):
             key, eq, inline = arg.partition("=")
             nxt = args[i + 1] if i + 1 < len(args) else None
             flags[key] = inline if eq else (None if nxt is None or nxt.startswith("--") else nxt)
-    topology = ((svc.get("build") or {}).get("args") or {}).get("TOPOLOGY")
-    return {"flags": flags, "env": env, "topology": topology, "model": args[0] if args else None}
+    return {
+        "flags": flags,
+        "env": svc.environment,
+        "topology": svc.build_args.get("TOPOLOGY"),
+        "model": args[0] if args else None,
+    }
 
 
 # --- the plan -------------------------------------------------------------------------------

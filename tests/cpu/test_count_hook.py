@@ -93,6 +93,55 @@ def test_counts_picks_exactly_by_prefill_and_decode(vllm_cpu, hook, tmp_path):
     assert counters.tokens == {"prefill": 3, "decode": 3}
 
 
+def test_the_workers_warm_up_requests_are_not_counted(vllm_cpu, hook, tmp_path, monkeypatch):
+    """The V2 worker warms its kernels up with requests that reach the step hook with a real
+    query layout (patch 0016): inside `uncounted_steps` they count nothing, after it the
+    same step counts as usual."""
+    from vllm.model_executor.layers.fused_moe import expert_offload
+
+    path = str(tmp_path / "counts.json")
+    runner = build(2, path)
+    monkeypatch.setenv("VLLM_EXPERT_COUNT_FILE", path)
+    counters = hook.get_counters()
+    layout = (np.array([0, 2, 4, 5]), np.array([True, True, False]))
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 4], [8, 9, 10, 11], [1, 2, 3, 4]])
+    with expert_offload.uncounted_steps(), expert_offload.uncounted_steps():
+        expert_offload.prepare_usage_count_step(*layout)
+        route(runner, ids.int())
+    assert counters.tokens == {"prefill": 0, "decode": 0} and counters.steps == 0
+    assert int(counters.counts(2).sum()) == 0
+    expert_offload.prepare_usage_count_step(*layout)
+    route(runner, ids.int())
+    assert counters.tokens == {"prefill": 4, "decode": 1} and counters.steps == 1
+    assert int(counters.counts(2).sum()) == 5 * K
+
+
+def test_the_worker_runs_both_warm_ups_uncounted(vllm_cpu):
+    """Both of the worker's warm-ups that send requests through execute_model (the V2
+    runner's warmup_kernels, and kernel_warmup's mixed prefill/decode steps) run inside
+    expert_offload.uncounted_steps() in the patched worker."""
+    import ast
+    import inspect
+
+    from vllm.v1.worker import gpu_worker
+
+    tree = ast.parse(inspect.getsource(gpu_worker))
+    guarded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and any(
+            ast.unparse(item.context_expr) == "expert_offload.uncounted_steps()"
+            for item in node.items
+        ):
+            guarded |= {ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+    calls = [
+        ast.unparse(c.func)
+        for c in ast.walk(tree)
+        if isinstance(c, ast.Call) and ast.unparse(c.func) in ("warmup_kernels", "kernel_warmup")
+    ]
+    assert sorted(calls) == ["kernel_warmup", "warmup_kernels"]
+    assert {"kernel_warmup", "warmup_kernels"} <= guarded
+
+
 def test_a_step_like_the_one_before_is_counted_without_a_copy(
     vllm_cpu, hook, tmp_path, monkeypatch
 ):

@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Prefill staging (VLLM_EXPERT_PREFILL_STAGING=1) on a real engine, CUDA graphs on: the same
-kernel on a VRAM copy of the same bytes, so offload-02 with staging gives offload-02's tokens
-and logprobs exactly (prompt and decode, prefill chunks of 512 and 2048 tokens staged, decode
-not), and the unpatched engine's tokens. The start-up line states the slots' VRAM. TTFT of the
-three engines is logged for the record; the speed result comes from `bench-offload`.
+kernel on a VRAM copy of the same bytes, so offload-02 with staging gives offload-02's tokens,
+and its logprobs differ from offload-02's no more than two offload-02 engines' differ from each
+other (prompt and decode, prefill chunks of 512 and 2048 tokens staged, decode not). Separate
+engine processes are not bit-identical on prompt logprobs even unpatched (H200, 2026-12-01:
+prompt max 0.12 between two identical unpatched engines), so the bound is that noise, measured
+in the same run, not zero. The start-up line states the slots' VRAM. TTFT of the engines is
+logged for the record; the speed result comes from `bench-offload`.
 
     scripts/test-gpu tests/gpu/test_prefill_staging_gpu.py -s
 """
@@ -33,6 +36,7 @@ def runs(int4_model, int4_cold_file) -> dict[str, dict]:
     members = {
         "staging-unpatched": (False, {}),
         "staging-off": (True, cold),
+        "staging-off-again": (True, cold),
         "staging-on": (True, {**cold, **STAGED}),
     }
     out = {}
@@ -61,23 +65,26 @@ def runs(int4_model, int4_cold_file) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("chunk", [512, 2048])
-def test_staging_gives_offload02s_numbers_exactly(runs, chunk):
+def test_staging_gives_offload02s_numbers_up_to_its_noise(runs, chunk):
     on, off = runs[f"staging-on-{chunk}"], runs[f"staging-off-{chunk}"]
     d = lp.diff_runs(on, off)
+    noise = lp.noise({"same_config": (off, runs[f"staging-off-again-{chunk}"])})
     report = {
         "chunk": chunk,
         "staged_vs_unstaged": d,
+        "unstaged_noise": noise,
         "vs_unpatched": lp.diff_runs(on, runs[f"staging-unpatched-{chunk}"]),
         "ttft_ms": {
             name: runs[f"{name}-{chunk}"]["tasks"]["ttft"]["ttft_ms"]
-            for name in ("staging-unpatched", "staging-off", "staging-on")
+            for name in ("staging-unpatched", "staging-off", "staging-off-again", "staging-on")
         },
     }
     gh.log(json.dumps(report))
     (gh.WORK / f"prefill-staging-{chunk}.json").write_text(json.dumps(report, indent=1))
     assert d["tokens_identical"]
-    assert d["prompt_max"] == 0.0 and d["decode_max"] == 0.0, d
     assert report["vs_unpatched"]["tokens_identical"]
+    problems = lp.failures(d, noise)
+    assert not problems, "; ".join(problems)
 
 
 def test_the_startup_line_states_the_staging_vram(runs):

@@ -4,8 +4,11 @@ INT4: PLE, hyper-connections, QSA, Gated DeltaNet, 512 experts top-10 with the g
 expert), PP=1, CUDA graphs on: offload-01, offload-02, one table, one table with the runtime
 swap, each with the counting hook on, against the unpatched engine: greedy tokens identical and
 logprob differences within the unpatched engine's own noise (`eodev.logprob_noise`: twice
-that where the kernel's sums are reordered by design). The shared expert's output is in every
-token (its down projection writes the token subspace the LM head reads). And the PLE table in
+that where the kernel's sums are reordered by design), judged per prompt
+(`lp.PER_PROMPT_STATS`: a rounding flip in a Gated DeltaNet layer carries to every later
+token of its prompt, so the mean over all prompts measures where the first flip fell). The
+shared expert's output is in every token (its down projection writes the token subspace the LM
+head reads). And the PLE table in
 host memory (VLLM_PLE_TABLE=host) against the same patched engine with it in VRAM (gpu): the
 same tokens.
 
@@ -177,7 +180,7 @@ def _check(tag: str, run: dict, unpatched: dict, noise_: dict, reordered: bool) 
     report = {"check": tag, "vs_unpatched": d, "unpatched_noise": noise_, "tolerance": tolerance}
     gh.log(json.dumps(report))
     (gh.WORK / f"correctness-{tag}.json").write_text(json.dumps(report, indent=1))
-    problems = lp.failures(d, noise_, tolerance)
+    problems = lp.failures(d, noise_, tolerance, lp.PER_PROMPT_STATS)
     assert not problems, f"{tag}: " + "; ".join(problems)
 
 
@@ -186,7 +189,9 @@ def _check(tag: str, run: dict, unpatched: dict, noise_: dict, reordered: bool) 
     [
         ("q4-offload01", False),  # the unpatched kernel call, on host memory
         ("q4-offload02", True),  # two calls over disjoint experts
-        ("q4-onetable", False),  # one call over all experts, rows fixed
+        # one call over all experts, rows fixed; on this geometry the INT4 one-table layer
+        # is not bit-exact to the unsplit one (bench/results/2026-12-03-qwen4exp-gpu-h200.md)
+        ("q4-onetable", True),
         ("q4-onetable-swap", True),  # rows move while it runs
     ],
 )
@@ -275,4 +280,4 @@ def test_ple_table_in_host_memory_gives_the_same_tokens(runs, noise):
     assert d["tokens_identical"]
     assert lp.diff_runs(gpu, runs["q4-unpatched"])["tokens_identical"]
     # the same rows, read from elsewhere: no more than the unpatched engine's own noise
-    assert not lp.failures(d, noise, 1.0)
+    assert not lp.failures(d, noise, 1.0, lp.PER_PROMPT_STATS)

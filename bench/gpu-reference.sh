@@ -18,6 +18,10 @@
 #   serve      compose/tiny.yml's service without a container engine, with a short benchmark
 #   prefill    offload-02 with and without prefill staging (VLLM_EXPERT_PREFILL_STAGING) beside
 #              unpatched at 10% and 40% host on the 16-layer model: TTFT 2k/8k, decode
+#   prefill8k  prefill's parts again with 8192-token prefill chunks (one copy of the host
+#              experts per 8k prompt instead of four)
+#   streams    unpatched and offload-03-swap at 10% host on the 16-layer model, 1, 4 and 16
+#              streams of mixed domains decoded together: total tokens/s, TPOT, swap counters
 #   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
 #              (tests/gpu/test_qwen4exp_pp2.py); unpatched, offload-02 and offload-03-swap at
 #              PP=2 on a 24-layer model at 10% host side by side; compose/2x32GB.yml's command
@@ -88,6 +92,12 @@ run_part() {
     prefill)
       part prefill "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage --group 4 ${RUN[*]} --out OUT/prefill.json"
       ;;
+    prefill8k)
+      EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage --group 4 ${RUN[*]} --out OUT/prefill8k.json"
+      ;;
+    streams)
+      part streams "bench:${HOST10[*]} --configs unpatched,offload-03-swap --group 2 --streams 1,4,16 ${RUN[*]} --out OUT/streams.json"
+      ;;
     pp2)
       local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
       scripts/gpu-suite --budget-s 600 --out "$R/pp2-model" \
@@ -104,7 +114,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | prefill8k | streams | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2

@@ -39,6 +39,7 @@ import sys
 import numpy as np
 from eotools.selection import expert_bytes
 
+from . import bench_streams
 from . import gpu_harness as gh
 from .bench.configs import parse_spec
 from .bench.sweep import plot_sweep, sweep_lines
@@ -105,6 +106,15 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
         metavar="FRACTIONS",
         help="host fractions, e.g. 0.05,0.1,0.2,0.4: adds offload-03-swap:N and "
         "cpu-offload-gb:N (N = fraction x experts per layer) for each, after --configs",
+    )
+    ap.add_argument(
+        "--streams",
+        type=bench_streams.parse_streams,
+        default=None,
+        metavar="N,N,...",
+        help="also decode N requests of mixed domains together, for each N (e.g. 1,4,16): "
+        "total tokens/s and TPOT per configuration; every engine then allows as many "
+        "sequences and captures CUDA graphs up to that batch",
     )
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
@@ -349,6 +359,8 @@ def make_suite(args: argparse.Namespace) -> Suite:
     uva_stops = offload_boundaries(args.model, plan.geometry.num_layers, len(every))
     prompts, repeat_prompts, long_words = workload_prompts(plan)
     tasks = engine_tasks(args, prompts, repeat_prompts, long_words)
+    if args.streams:
+        tasks.append(bench_streams.task(plan, args.streams, args.decode_tokens, args.repeats))
     return Suite(args, plan, prompts, repeat_prompts, tasks, host_layers, every, uva_stops)
 
 
@@ -373,9 +385,12 @@ class Collected:
 
 
 def suite_engine(args: argparse.Namespace, **overrides) -> dict:
-    """gpu_harness's engine settings with this run's pipeline parallel size."""
+    """gpu_harness's engine settings with this run's pipeline parallel size (and room for
+    --streams' largest batch)."""
     if args.pp_size > 1:
         overrides["pipeline_parallel_size"] = args.pp_size
+    if args.streams:
+        overrides = {**bench_streams.engine_overrides(args.streams), **overrides}
     return gh.engine(**overrides)
 
 
@@ -681,6 +696,7 @@ def result_doc(
             if "decide_ab" in res["tasks"]
         },
         "profiles": profiles(results),
+        "streams": bench_streams.rows(results, specs, collected.unit_bases),
         "not_run": collected.not_run,
         "failed": collected.failed,
     }
@@ -1486,6 +1502,7 @@ def markdown(doc: dict) -> str:
             + ".",
         ]
     lines += sweep_lines(doc)
+    lines += bench_streams.lines(doc)
     lines += baseline_lines(doc)
     lines += request_lines(doc)
     lines += vram_saved_lines(doc)

@@ -12,7 +12,8 @@ processes of their own: placement and swap counters come from every rank, merged
 order (each rank's under "per_rank"), while the torch and VRAM figures are this process's.
 
 CONFIG: {"model": path, "env": {...}, "engine": {LLM keyword arguments},
-         "tasks": [{"kind": "greedy" | "decode_timing" | "ttft" | "decode_ab", ...}, ...]}
+         "tasks": [{"kind": "greedy" | "decode_timing" | "ttft" | "decode_ab" | "streams",
+                    ...}, ...]}
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Baton:
 
 BATON = Baton(None)  # run() sets it from EO_BATON
 # task kinds that take a turn per request themselves; others take one turn per task
-_PER_REQUEST = ("decode_timing", "decode_ab")
+_PER_REQUEST = ("decode_timing", "decode_ab", "streams")
 
 
 def _vm_hwm_bytes() -> int:
@@ -595,6 +596,65 @@ def _decode_timing(llm, task: dict) -> dict:
     }
 
 
+def _timed_batch(engine, prefix: str, prompts: list[list[int]], params) -> list[list[float]]:
+    """Requests added together and decoded by stepping the engine: when each of each
+    request's tokens came out (the caller holds the baton)."""
+    rids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(rids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    stamps: dict[str, list[float]] = {rid: [] for rid in rids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got = stamps[out.request_id]
+            got += [time.perf_counter()] * (len(out.outputs[0].token_ids) - len(got))
+    return [stamps[rid] for rid in rids]
+
+
+def _streams(llm, task: dict) -> dict:
+    """N concurrent streams for each N of task["streams"]: N requests of distinct prompts
+    (task["prompts"], taken in turn) added at once and decoded together, warm-up then
+    repeats. Per N: total decode tokens per second of each repeat (every request's tokens
+    after its first, over the time from the first first token to the last token), the
+    inter-token times' p50/p90 over all requests, and the runtime swap's host reads and swaps
+    over the measured repeats (offload-03)."""
+    engine = llm.llm_engine
+    params = _stream_params(task["max_tokens"])
+    prompts, warmup = task["prompts"], task.get("warmup", 1)
+    out, used = [], 0
+    for n in task["streams"]:
+        tok_s, itl, reads, swaps, decoded, counted = [], [], 0, 0, 0, False
+        for rep in range(warmup + task.get("repeats", 3)):
+            batch = [prompts[(used + i) % len(prompts)] for i in range(n)]
+            used += n
+            with BATON.turn():
+                before = merge_swap_counters(llm.apply_model(_swap_counters))
+                stamps = _timed_batch(engine, f"s{n}-{rep}", batch, params)
+                after = merge_swap_counters(llm.apply_model(_swap_counters))
+            if rep < warmup:
+                continue
+            tokens = sum(len(s) - 1 for s in stamps)
+            tok_s.append(tokens / (max(s[-1] for s in stamps) - min(s[0] for s in stamps)))
+            itl += [(b - a) * 1e3 for s in stamps for a, b in zip(s, s[1:], strict=False)]
+            decoded += tokens
+            if after is not None:
+                counted = True
+                reads += sum(after["host_reads"]) - (sum(before["host_reads"]) if before else 0)
+                swaps += sum(after["swaps"]) - (sum(before["swaps"]) if before else 0)
+        itl.sort()
+        row = {
+            "streams": n,
+            "total_decode_tok_s": tok_s,
+            "tpot_ms_p50": itl[len(itl) // 2],
+            "tpot_ms_p90": itl[min(len(itl) - 1, int(0.9 * len(itl)))],
+            "decoded": decoded,
+        }
+        if counted:  # the runtime swap's own counters over the measured repeats
+            row["host_reads_per_token"] = reads / decoded
+            row["swaps_per_token"] = swaps / decoded
+        out.append(row)
+    return {"by_streams": out}
+
+
 def _ttft(llm, task: dict) -> dict:
     from vllm import SamplingParams
 
@@ -768,6 +828,7 @@ TASKS = {
     "ttft": _ttft,
     "decode_ab": _decode_ab,
     "decode_profile": _decode_profile,
+    "streams": _streams,
 }
 
 

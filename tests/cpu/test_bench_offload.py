@@ -111,8 +111,8 @@ def test_pp_size_reaches_every_engine():
 
     from eodev.bench_offload import suite_engine
 
-    assert "pipeline_parallel_size" not in suite_engine(argparse.Namespace(pp_size=1))
-    two = suite_engine(argparse.Namespace(pp_size=2), cpu_offload_gb=1.5)
+    assert "pipeline_parallel_size" not in suite_engine(argparse.Namespace(pp_size=1, streams=None))
+    two = suite_engine(argparse.Namespace(pp_size=2, streams=None), cpu_offload_gb=1.5)
     assert two["pipeline_parallel_size"] == 2 and two["cpu_offload_gb"] == 1.5
 
 

@@ -2,7 +2,8 @@
 """The whole series on the Qwen4Exp test model (make-test-model --arch qwen4_exp --preset tiny,
 INT4: PLE, hyper-connections, QSA, Gated DeltaNet, 512 experts top-10 with the gated shared
 expert), PP=1, CUDA graphs on: offload-01, offload-02, one table, one table with the runtime
-swap, each with the counting hook on, against the unpatched engine: greedy tokens identical and
+swap, each with the counting hook on (offload-02 and the swap also write the snapshots /metrics
+is served from), against the unpatched engine: greedy tokens identical and
 logprob differences within the unpatched engine's own noise (`eodev.logprob_noise`: twice
 that where the kernel's sums are reordered by design), judged per prompt
 (`lp.PER_PROMPT_STATS`: a rounding flip in a Gated DeltaNet layer carries to every later
@@ -83,6 +84,13 @@ def _count_file(name: str) -> pathlib.Path:
     return gh.WORK / "runs" / "qwen4exp-counts" / name / "counts.json"
 
 
+def _metrics_dir(name: str) -> pathlib.Path:
+    return gh.WORK / "runs" / "qwen4exp-metrics" / name
+
+
+METERED = ("q4-offload02", "q4-onetable-swap")  # the snapshots /metrics is served from
+
+
 # name -> (patched, env, rebatched, swap stress steps)
 def _members(cold: pathlib.Path) -> dict[str, tuple[bool, dict, bool, int]]:
     c = str(cold)
@@ -158,7 +166,14 @@ def runs(model, cold_file) -> dict[str, dict]:
     """Every engine of this file, side by side."""
     share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.08)
     counted = {name: _count_file(name) for name in COUNTED}
-    return run_side_by_side(model, _members(cold_file), counted, share)
+    members = _members(cold_file)
+    for name in METERED:
+        folder = _metrics_dir(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.iterdir():
+            old.unlink()
+        members[name][1]["VLLM_EXPERT_METRICS_DIR"] = str(folder)
+    return run_side_by_side(model, members, counted, share)
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +269,26 @@ def test_counts_hold_every_pick_and_follow_the_planted_routers(model, runs, name
     gh.log(f"{name}: planted-router agreement prefill {agree_pre:.4f}, decode {agree_dec:.4f}")
     # BF16 near-ties of the router logits (tests/README.md, "What is planted")
     assert agree_pre > 0.97 and agree_dec > 0.97, (agree_pre, agree_dec)
+
+
+@pytest.mark.parametrize("name", METERED)
+def test_metrics_snapshots_hold_the_placement_and_the_swaps_counters(runs, name):
+    """The rank snapshot the API server's /metrics reads (VLLM_EXPERT_METRICS_DIR), as the
+    worker left it at shutdown: the path and bytes it placed, and with the runtime swap its
+    counters, which include the stress task's swaps."""
+    run, mem = runs[name], runs[name]["memory"]
+    doc = json.loads((_metrics_dir(name) / "rank-dp0_pp0_tp0.json").read_text())
+    assert doc["layers"] == mem["moe_layers"] == 6
+    assert doc["host_experts"] == 6 * HOST_EXPERTS
+    # the series' records against the probe's parameter census of the same tables
+    assert doc["host_bytes"] == pytest.approx(mem["expert_host_bytes"], rel=0.01)
+    assert doc["device_bytes"] > 0
+    if name == "q4-onetable-swap":
+        assert doc["path"] == "offload-03-swap"
+        assert doc["swaps"] >= run["tasks"]["stress"]["swap_delta"]["swaps"] > 0
+        assert doc["host_reads"] > 0 and doc["swap_decisions"] > 0
+    else:
+        assert doc["path"] == "offload-02" and "swaps" not in doc
 
 
 def test_greedy_tokens_follow_the_planted_chain(model, runs):

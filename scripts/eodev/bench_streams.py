@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""bench-offload's many-streams workload (--streams 1,4,16): N requests of mixed domains
+decoded together, for each N, in every engine of the run. More streams pick more distinct
+experts per step, and a runtime swap meets a mixed workload instead of one conversation.
+
+Each engine runs one `streams` task (eodev.engine_probe): distinct held-out prompts, the
+domains interleaved, so that no two streams of a batch share a prompt. The report gives, per
+configuration and N, the total decode tokens per second of every repeat, TPOT p50/p90 over all
+requests, the ratio of medians against the run's unpatched engine at the same N, and with the
+runtime swap its host reads and swaps per token from its own counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+
+from .testmodel import data
+from .testmodel.plant import Plan
+
+PROMPT_TOKENS = 256
+
+
+def parse_streams(value: str) -> list[int]:
+    """ "1,4,16" -> [1, 4, 16] (argparse type)."""
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of stream counts: {value!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"stream counts must be 1 or more: {value!r}")
+    return out
+
+
+def prompts(plan: Plan, count: int) -> list[list[int]]:
+    """`count` distinct held-out prompts, the domains taken in turn."""
+    per_domain = -(-count // len(plan.planting.domains))
+    by_domain = [
+        [
+            list(c.token_ids)
+            for c in data.conversations(plan, d, "heldout", per_domain, PROMPT_TOKENS, seed=31)
+        ]
+        for d in plan.planting.domains
+    ]
+    mixed = [p for group in itertools.zip_longest(*by_domain) for p in group if p is not None]
+    return mixed[:count]
+
+
+def task(plan: Plan, streams: list[int], decode_tokens: int, repeats: int) -> dict:
+    """The engine task: enough distinct prompts for every batch of the run (warm-up too)."""
+    count = sum(streams) * (1 + repeats)
+    return {
+        "kind": "streams",
+        "name": "streams",
+        "prompts": prompts(plan, count),
+        "streams": streams,
+        "max_tokens": decode_tokens,
+        "warmup": 1,
+        "repeats": repeats,
+    }
+
+
+def engine_overrides(streams: list[int]) -> dict:
+    """Room for the largest batch: as many sequences, and CUDA graphs up to its size (1, 2,
+    4, ... and the largest itself), so that every N decodes in a captured graph."""
+    top = max(streams)
+    sizes = sorted({1, 2, 4, *(2**k for k in range(top.bit_length()) if 2**k <= top), top})
+    return {"max_num_seqs": max(top, 4), "compilation_config": {"cudagraph_capture_sizes": sizes}}
+
+
+def rows(results: dict, specs: list[str], unit_bases: list[str]) -> list[dict]:
+    """Per configuration (round 1) and N: the streams task's numbers, with the ratio of
+    median total tokens/s against the unpatched engine paired with it (or the run's)."""
+    out = []
+    for spec in specs + unit_bases:
+        res = results.get((spec, 1))
+        if res is None or "streams" not in res["tasks"]:
+            continue
+        base = (
+            res if spec in unit_bases else res.get("paired_base") or results.get(("unpatched", 1))
+        )
+        ref = {}
+        if base is not None and "streams" in base["tasks"]:
+            ref = {r["streams"]: r for r in base["tasks"]["streams"]["by_streams"]}
+        for r in res["tasks"]["streams"]["by_streams"]:
+            row = {"config": res["spec"]["config"], "variant": spec, **r}
+            theirs = ref.get(r["streams"])
+            row["total_vs_unpatched"] = (
+                float(np.median(r["total_decode_tok_s"]) / np.median(theirs["total_decode_tok_s"]))
+                if theirs
+                else None
+            )
+            out.append(row)
+    return out
+
+
+def lines(doc: dict) -> list[str]:
+    """The report's many-streams table (nothing when the run had none)."""
+    got = doc.get("streams") or []
+    if not got:
+        return []
+    out = [
+        "",
+        "Many streams (mixed domains, decoded together): total decode tokens/s, median of the "
+        "repeats (every repeat in brackets), TPOT over all requests, and with the runtime "
+        "swap its host reads and swaps per token.",
+        "",
+        "| config | streams | total decode tok/s | vs unpatched | TPOT p50 / p90 ms "
+        "| host reads/token | swaps/token |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for r in got:
+        ratio = r.get("total_vs_unpatched")
+        reads, swaps = r.get("host_reads_per_token"), r.get("swaps_per_token")
+        out.append(
+            f"| {r['variant']} | {r['streams']} | {np.median(r['total_decode_tok_s']):.1f} "
+            f"({', '.join(f'{x:.1f}' for x in r['total_decode_tok_s'])}) | "
+            f"{'-' if ratio is None else f'{ratio:.3f}x'} | "
+            f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | "
+            f"{'-' if reads is None else f'{reads:.2f}'} | "
+            f"{'-' if swaps is None else f'{swaps:.3f}'} |"
+        )
+    return out

@@ -29,7 +29,7 @@ STAGED = {"VLLM_EXPERT_PREFILL_STAGING": "1", "VLLM_EXPERT_PREFILL_STAGING_MIN_T
 
 @pytest.fixture(scope="module")
 def runs(int4_model, int4_cold_file) -> dict[str, dict]:
-    share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.25)
+    share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.2)
     cold = {"VLLM_EXPERT_COLD_FILE": str(int4_cold_file)}
     _, long = _prompts(int4_model)
     ttft = {"kind": "ttft", "name": "ttft", "prompt": long, "repeats": 3}

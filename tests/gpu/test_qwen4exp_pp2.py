@@ -5,7 +5,8 @@ unpatched engine at PP=1 (upstream refuses PP=2 with PLE): greedy tokens identic
 logprob differences within the unpatched engine's own noise, for the series alone, offload-02
 and one table with the runtime swap (each rank builds, checks and logs its own layers of the
 cold file), CUDA graphs on, the n-gram table in host memory as compose/2x32GB.yml sets it.
-The counting hook writes one file per rank (`.pp0`, `.pp1`), each with its stage's layers.
+The counting hook writes one file per rank (`.pp0`, `.pp1`), each with its stage's layers,
+and each rank publishes its own /metrics snapshot.
 
 Needs two GPUs (marker `multi_gpu`; skipped with the reason on one). The engines start side
 by side (each PP=2 engine on both GPUs) and take turns request by request.
@@ -40,6 +41,10 @@ def _count_dir(name: str) -> pathlib.Path:
     return gh.WORK / "runs" / "qwen4exp-pp2-counts" / name
 
 
+def _metrics_dir(name: str) -> pathlib.Path:
+    return gh.WORK / "runs" / "qwen4exp-pp2-metrics" / name
+
+
 # name -> (patched, env, rebatched, swap stress steps); PP=2 unless named in PP1
 def _members(cold: pathlib.Path) -> dict[str, tuple[bool, dict, bool, int]]:
     c = str(cold)
@@ -67,9 +72,15 @@ COUNTED = ("pp2-offload02", "pp2-onetable-swap")
 def runs(model, cold_file) -> dict[str, dict]:
     share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.1)
     counted = {name: _count_dir(name) / "counts.json" for name in COUNTED}
+    members = _members(cold_file)
+    metrics = _metrics_dir("pp2-onetable-swap")
+    metrics.mkdir(parents=True, exist_ok=True)
+    for old in metrics.iterdir():
+        old.unlink()
+    members["pp2-onetable-swap"][1]["VLLM_EXPERT_METRICS_DIR"] = str(metrics)
     return run_side_by_side(
         model,
-        _members(cold_file),
+        members,
         counted,
         share,
         lambda name: {"pipeline_parallel_size": 1 if name in PP1 else 2},
@@ -123,6 +134,19 @@ def test_each_rank_logs_its_own_layers(runs):
         assert any("routed experts on this rank" in line for line in mine), rank
         assert any("3 of 3 MoE layers on this rank" in line for line in mine), rank
         assert any("PLE n-gram table" in line and "host" in line for line in mine), rank
+
+
+def test_each_rank_publishes_its_own_metrics_snapshot(runs):
+    """The snapshots /metrics is served from: one per pipeline rank, each with its own stage's
+    three layers, host experts and the runtime swap's counters."""
+    folder = _metrics_dir("pp2-onetable-swap")
+    docs = {p.name: json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))}
+    assert sorted(docs) == ["rank-dp0_pp0_tp0.json", "rank-dp0_pp1_tp0.json"], sorted(docs)
+    per_rank = runs["pp2-onetable-swap"]["memory"]["per_rank"]
+    for doc, mem in zip(docs.values(), per_rank, strict=True):
+        assert doc["path"] == "offload-03-swap" and doc["layers"] == 3
+        assert doc["host_bytes"] == pytest.approx(mem["expert_host_bytes"], rel=0.01)
+        assert doc["host_reads"] > 0 and doc["swap_decisions"] > 0
 
 
 @pytest.mark.parametrize("name", COUNTED)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Side-by-side benchmark of the offload paths on one GPU, in one run (SPEC section 7).
+"""Side-by-side benchmark of the offload paths on one GPU, in one run (docs/benchmarks.md).
 
 Configurations (--configs): unpatched; cpu-offload-gb (vLLM's --cpu-offload-gb with the
 same host bytes as an offload configuration of the same size); offload-01 (whole layers on
@@ -11,8 +11,8 @@ Host reads per token come from the model's planted routing of the very tokens de
 for make-test-model checkpoints, whose routers are planted), and with runtime swap from its
 own counters.
 
-The reference table (SPEC section 7) in one command, e.g. on a 16-layer model with 10% of
-the experts on host (51 of 512 per layer) and a sweep of the host fraction:
+The reference table (bench/results/README.md) in one command, e.g. on a 16-layer model with
+10% of the experts on host (51 of 512 per layer) and a sweep of the host fraction:
 
     bench-offload --model M --host-experts-per-layer 51 --host-layers 0,1
         --configs unpatched,cpu-offload-gb,offload-01,offload-02,offload-03,offload-03-swap
@@ -115,6 +115,12 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
         help="also decode N requests of mixed domains together, for each N (e.g. 1,4,16): "
         "total tokens/s and TPOT per configuration; every engine then allows as many "
         "sequences and captures CUDA graphs up to that batch",
+    )
+    ap.add_argument(
+        "--ttft-32k",
+        action="store_true",
+        help="also time the first token of a 32,768-token prompt (every engine's "
+        f"max_model_len then rises to {LONG_MODEL_LEN:,})",
     )
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
@@ -265,9 +271,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict | None]
     return args, earlier
 
 
-def workload_prompts(plan: Plan) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """The fresh prompts (one held-out prompt of every domain), the repeat prompts and the
-    long prompt's tokens that the TTFT tasks cut to length."""
+# --ttft-32k: the 32,768-token prompt and room for its decode
+LONG_MODEL_LEN = 34816
+
+
+def workload_prompts(
+    plan: Plan, long_tokens: int = 10240
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """The fresh prompts (one held-out prompt of every domain), the repeat prompts and at
+    least `long_tokens` of the long prompt, which the TTFT tasks cut to length (the same first
+    tokens whatever the length)."""
     prompts = [
         list(next(data.conversations(plan, d, "heldout", 1, 256, seed=21)).token_ids)
         for d in plan.planting.domains
@@ -277,7 +290,7 @@ def workload_prompts(plan: Plan) -> tuple[list[list[int]], list[list[int]], list
     repeat_prompts = [p for p in prompts[:3] for _ in range(4)]
     long_words = [
         t
-        for c in data.conversations(plan, "science", "heldout", 40, 256, seed=5)
+        for c in data.conversations(plan, "science", "heldout", -(-long_tokens // 256), 256, seed=5)
         for t in c.token_ids
     ]
     return prompts, repeat_prompts, long_words
@@ -301,6 +314,15 @@ def engine_tasks(
         {"kind": "ttft", "name": "ttft_2k", "prompt": long_words[:2048], "repeats": args.repeats},
         {"kind": "ttft", "name": "ttft_8k", "prompt": long_words[:8192], "repeats": args.repeats},
     ]
+    if args.ttft_32k:
+        tasks.append(
+            {
+                "kind": "ttft",
+                "name": "ttft_32k",
+                "prompt": long_words[:32768],
+                "repeats": args.repeats,
+            }
+        )
     if args.profile:
         tasks.append(profile_task(prompts, args.decode_tokens))
     return tasks
@@ -357,7 +379,7 @@ def make_suite(args: argparse.Namespace) -> Suite:
     host_layers = {int(x) for x in args.host_layers.split(",") if x}
     every = set(range(plan.geometry.num_experts))
     uva_stops = offload_boundaries(args.model, plan.geometry.num_layers, len(every))
-    prompts, repeat_prompts, long_words = workload_prompts(plan)
+    prompts, repeat_prompts, long_words = workload_prompts(plan, 32768 if args.ttft_32k else 10240)
     tasks = engine_tasks(args, prompts, repeat_prompts, long_words)
     if args.streams:
         tasks.append(bench_streams.task(plan, args.streams, args.decode_tokens, args.repeats))
@@ -386,11 +408,13 @@ class Collected:
 
 def suite_engine(args: argparse.Namespace, **overrides) -> dict:
     """gpu_harness's engine settings with this run's pipeline parallel size (and room for
-    --streams' largest batch)."""
+    --streams' largest batch, and --ttft-32k's prompt)."""
     if args.pp_size > 1:
         overrides["pipeline_parallel_size"] = args.pp_size
     if args.streams:
         overrides = {**bench_streams.engine_overrides(args.streams), **overrides}
+    if args.ttft_32k:
+        overrides.setdefault("max_model_len", LONG_MODEL_LEN)
     return gh.engine(**overrides)
 
 
@@ -938,6 +962,8 @@ def merge_rounds(rows: list[dict]) -> dict:
         out[k] = float(np.mean([r[k] for r in rows]))
     out["ttft_2k_ms"] = [x for r in rows for x in r["ttft_2k_ms"]]
     out["ttft_8k_ms"] = [x for r in rows for x in r["ttft_8k_ms"]]
+    if all(r.get("ttft_32k_ms") for r in rows):
+        out["ttft_32k_ms"] = [x for r in rows for x in r["ttft_32k_ms"]]
     out["itl_samples"] = sum(r["itl_samples"] for r in rows)
     ratios = [r["decode_vs_unpatched"] for r in rows if r.get("decode_vs_unpatched")]
     out["decode_vs_unpatched_rounds"] = ratios
@@ -1033,6 +1059,7 @@ def _run_row(
         "ttft_ms": dec["ttft_ms"],
         "ttft_2k_ms": res["tasks"]["ttft_2k"]["ttft_ms"],
         "ttft_8k_ms": res["tasks"]["ttft_8k"]["ttft_ms"],
+        "ttft_32k_ms": res["tasks"].get("ttft_32k", {}).get("ttft_ms"),
         "host_reads_per_token": reads,
         "host_reads_source": source,
         "swaps_per_token": swaps,
@@ -1441,6 +1468,12 @@ def request_lines(doc: dict) -> list[str]:
     return lines
 
 
+def _ttft_cell(r: dict) -> str:
+    """TTFT medians: 2k / 8k, and 32k where it was timed."""
+    keys = ("ttft_2k_ms", "ttft_8k_ms", "ttft_32k_ms")
+    return " / ".join(f"{np.median(r[k]):.1f}" for k in keys if r.get(k))
+
+
 def _memory_cell(r: dict) -> str:
     """The engine's peak VRAM and host memory; the VRAM is the whole device's (marked *)
     in runs made before the probe read its own process's."""
@@ -1465,7 +1498,7 @@ def markdown(doc: dict) -> str:
         "",
         "| config | workload | host fraction | same tokens as unpatched | "
         "decode tok/s (median of repeats) | "
-        "TPOT p50 / p90 ms | TTFT 2k / 8k ms | host reads/token | swaps/token | start-up s "
+        "TPOT p50 / p90 ms | TTFT 2k / 8k (/ 32k) ms | host reads/token | swaps/token | start-up s "
         "| peak VRAM / host GiB | vs unpatched | TPOT vs physical bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -1476,7 +1509,7 @@ def markdown(doc: dict) -> str:
             f"{np.median(r['decode_tok_s']):.1f} "
             f"({', '.join(f'{x:.1f}' for x in r['decode_tok_s'])}) | "
             f"{r['tpot_ms_p50']:.3f} / {r['tpot_ms_p90']:.3f} | "
-            f"{np.median(r['ttft_2k_ms']):.1f} / {np.median(r['ttft_8k_ms']):.1f} | "
+            f"{_ttft_cell(r)} | "
             f"{r['host_reads_per_token']:.2f} | {r['swaps_per_token']:.3f} | "
             f"{r['startup_s']:.0f} | {_memory_cell(r)} | "
             f"{_ratio_cell(r)} | {_bound_cell(r)} |"

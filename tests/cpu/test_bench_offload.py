@@ -106,14 +106,43 @@ def test_config_specs():
             parse_spec(spec)
 
 
-def test_pp_size_reaches_every_engine():
-    import argparse
+def _args(*argv: str):
+    from eodev.bench_offload import parser
 
+    return parser().parse_args(["--model", "m", "--out", "o.json", *argv])
+
+
+def test_pp_size_reaches_every_engine():
     from eodev.bench_offload import suite_engine
 
-    assert "pipeline_parallel_size" not in suite_engine(argparse.Namespace(pp_size=1, streams=None))
-    two = suite_engine(argparse.Namespace(pp_size=2, streams=None), cpu_offload_gb=1.5)
+    assert "pipeline_parallel_size" not in suite_engine(_args())
+    two = suite_engine(_args("--pp-size", "2"), cpu_offload_gb=1.5)
     assert two["pipeline_parallel_size"] == 2 and two["cpu_offload_gb"] == 1.5
+
+
+def test_ttft_32k_adds_its_task_and_room_for_its_prompt(repo_root, tmp_path):
+    """--ttft-32k: a third TTFT task of 32,768 tokens whose first 8,192 are the 8k task's
+    prompt, every engine's max_model_len raised for it; the report's TTFT cell shows it."""
+    from eodev import bench_offload as bo
+    from eodev.testmodel.plant import load_plan
+
+    model = tmp_path / "target-int4-2l"
+    tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
+    subprocess.run([*tool, "--layers", "2", "--no-weights"], check=True, capture_output=True)
+    plan = load_plan(model)
+    short = bo.workload_prompts(plan)
+    long = bo.workload_prompts(plan, 32768)
+    assert long[2][:10240] == short[2] and len(long[2]) >= 32768
+    tasks = bo.engine_tasks(_args("--ttft-32k"), *long)
+    by_name = {t["name"]: t for t in tasks}
+    assert len(by_name["ttft_32k"]["prompt"]) == 32768
+    assert by_name["ttft_32k"]["prompt"][:8192] == by_name["ttft_8k"]["prompt"]
+    assert "ttft_32k" not in {t["name"] for t in bo.engine_tasks(_args(), *short)}
+    assert bo.suite_engine(_args("--ttft-32k"))["max_model_len"] == bo.LONG_MODEL_LEN
+    assert bo.suite_engine(_args())["max_model_len"] == 10240
+    row = {"ttft_2k_ms": [20.0, 21.0, 19.0], "ttft_8k_ms": [110.0], "ttft_32k_ms": [650.0]}
+    assert bo._ttft_cell(row) == "20.0 / 110.0 / 650.0"
+    assert bo._ttft_cell({**row, "ttft_32k_ms": None}) == "20.0 / 110.0"
 
 
 def test_the_stage_variant_turns_prefill_staging_on(tmp_path):

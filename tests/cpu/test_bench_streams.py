@@ -9,7 +9,6 @@ every engine gets room for the largest batch; the report's rows and table.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import types
@@ -138,7 +137,7 @@ def test_prompts_are_distinct_and_take_the_domains_in_turn(plan):
 
 def test_every_engine_gets_room_for_the_largest_batch():
     from eodev import bench_streams
-    from eodev.bench_offload import suite_engine
+    from eodev.bench_offload import parser, suite_engine
 
     big = bench_streams.engine_overrides([1, 4, 16])
     assert big["max_num_seqs"] == 16
@@ -146,10 +145,12 @@ def test_every_engine_gets_room_for_the_largest_batch():
     odd = bench_streams.engine_overrides([3, 6])
     assert odd["max_num_seqs"] == 6
     assert odd["compilation_config"]["cudagraph_capture_sizes"] == [1, 2, 4, 6]
-    engine = suite_engine(argparse.Namespace(pp_size=2, streams=[1, 4, 16]), cpu_offload_gb=1.0)
+    args = parser().parse_args(["--model", "m", "--out", "o.json", "--pp-size", "2"])
+    assert suite_engine(args)["max_num_seqs"] == 4
+    args.streams = [1, 4, 16]
+    engine = suite_engine(args, cpu_offload_gb=1.0)
     assert engine["max_num_seqs"] == 16 and engine["pipeline_parallel_size"] == 2
     assert engine["cpu_offload_gb"] == 1.0
-    assert suite_engine(argparse.Namespace(pp_size=1, streams=None))["max_num_seqs"] == 4
 
 
 @pytest.mark.parametrize("bad", ["0", "1,x", "", "-4"])

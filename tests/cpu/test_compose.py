@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The compose files: valid against the Compose Specification (the pinned schema of
-eodev/schemas.py), the serving settings of SPEC section 5, what every service needs (GPUs,
-shared memory, page-locking, health check), and the tiny service's first-start model."""
+eodev/schemas.py), the reference serving settings (the 2x32GB article), what every service
+needs (GPUs, shared memory, page-locking, health check), and the tiny service's first-start
+model."""
 
 from __future__ import annotations
 
@@ -22,20 +23,20 @@ from eotools.topologies import TOPOLOGIES
 
 FILES = sorted(pathlib.Path(__file__).resolve().parents[2].glob("compose/*.yml"))
 
-# SPEC section 5, the 2x32GB settings exactly as listed there
+# the 2x32GB article's serving settings, exactly as it lists them
 SPEC_2X32GB_TEXT = (
     "--pipeline-parallel-size 2 --tensor-parallel-size 1 --max-model-len 262144 --max-num-seqs 2 "
     "--max-num-batched-tokens 2048 --kv-cache-memory-bytes 360000000 --enable-prefix-caching "
     "--mamba-cache-mode align"
 )
 SPEC_2X32GB = SPEC_2X32GB_TEXT.split()
-# What the compose files change from SPEC section 5, for vLLM 0.29.0 plus the series to start
+# What the compose files change from those settings, for vLLM 0.29.0 plus the series to start
 # Qwen3.8-Flash-Next (compose/README.md, scripts/memory-plan): QSA keeps its K/V in VRAM, so
-# one 262,144-token request needs ~3.1 GiB per card at PP=2 (2.1 at PP=3), not the seed's
+# one 262,144-token request needs ~3.1 GiB per card at PP=2 (2.1 at PP=3), not the article's
 # 360/550 MB; and a short model name for clients.
 SERVED_NAME = "${SERVED_MODEL_NAME:-Qwen3.8-Flash-Next-INT4}"
 CHANGED_2X32GB = {"--kv-cache-memory-bytes": "3600000000", "--served-model-name": SERVED_NAME}
-# the other topologies: what SPEC section 5 says differs from 2x32GB, and the KV each needs
+# the other topologies: what the reference settings change from 2x32GB, and the KV each needs
 SPEC_OTHERS = {
     "3x24GB": {"--pipeline-parallel-size": "3", "--kv-cache-memory-bytes": "2400000000"},
     "2x24GB": {"--pipeline-parallel-size": "2", "--max-num-batched-tokens": "512"},

@@ -82,11 +82,11 @@ def test_target_weights_from_the_config(target):
     assert w.expert_bytes == EXPERT
     assert round(EXPERT / MiB, 3) == 2.417  # SPEC section 1
     assert sum(p[mp.EXPERTS] for p in w.per_layer) == 48 * 512 * EXPERT
-    assert round(48 * 512 * EXPERT / GiB, 2) == 58.01  # the seed's routed-expert total
+    assert round(48 * 512 * EXPERT / GiB, 2) == 58.01  # the article's routed-expert total
     assert [p[mp.PLE_TABLE] for p in w.per_layer] == [PLE_TABLE] + [0] * 47
     assert round(PLE_TABLE / GiB, 2) == 95.37
     assert w.outside[mp.EMBED] == w.outside[mp.LM_HEAD] == EMBED
-    # all weights a PP=1 engine loads: within 1 GiB of the seed's 62.27 GiB (the config fields
+    # all weights a PP=1 engine loads: within 1 GiB of the article's 62.27 GiB (the config fields
     # the spec does not give are defaults, so the rest of the layers is an estimate)
     loaded = sum(p[mp.EXPERTS] + p[mp.LAYER] for p in w.per_layer) + 2 * EMBED
     loaded += w.outside[mp.FINAL]

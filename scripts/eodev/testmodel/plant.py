@@ -32,7 +32,7 @@ from functools import cached_property
 import numpy as np
 
 # Domains come in opposite pairs (0-1, 2-3, 4-5): a domain suppresses its opposite's specialists,
-# the way a code-only cold set starves English prose in the seed measurements.
+# the way a code-only cold set starves English prose in the articles' measurements.
 DOMAINS = ("code", "story", "math", "chat", "legal", "science")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 ROLE_WORDS = ("system", "user", "assistant")

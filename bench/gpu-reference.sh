@@ -5,8 +5,9 @@
 #
 # PART is one of
 #   models     the synthetic test models (INT4 8 and 16 layers, BF16 2 layers); every other
-#              part makes them first if they are missing, so start this one early (while the
-#              vLLM install finishes) to save time later
+#              part but table24, sweep24 and pp2 (which make the 24-layer model, freeing the
+#              disk of these when it is short) makes them first if they are missing, so start
+#              this one early (while the vLLM install finishes) to save time later
 #   tests      every GPU test (tests/gpu), correctness and kernels
 #   decode     five engines side by side at 10% host on the 16-layer model: unpatched,
 #              offload-02, offload-03, offload-03-swap, --cpu-offload-gb
@@ -18,6 +19,10 @@
 #   serve      compose/tiny.yml's service without a container engine, with a short benchmark
 #   prefill    offload-02 with and without prefill staging (VLLM_EXPERT_PREFILL_STAGING) beside
 #              unpatched at 10% and 40% host on the 16-layer model: TTFT 2k/8k, decode
+#   table24    the reference table on a 24-layer model (a 2x32GB stage's layers at the target
+#              geometry): unpatched, offload-02, offload-03, offload-03-swap, --cpu-offload-gb
+#              at 10% host, TTFT 2k/8k/32k; two configurations beside each unpatched engine
+#   sweep24    offload-03-swap against --cpu-offload-gb at 5, 20 and 40% host, 24 layers
 #   prefill8k  prefill's parts again with 8192-token prefill chunks (one copy of the host
 #              experts per 8k prompt instead of four)
 #   streams    unpatched and offload-03-swap at 10% host on the 16-layer model, 1, 4 and 16
@@ -48,14 +53,31 @@ T=tests/gpu/test_offload_correctness.py
 HOST10=(--model "$M/target-int4-16l" --host-experts-per-layer 51)
 RUN=(--decode-tokens 128 --repeats 3 --host-read-us 55.5)
 
-# the models, then the patched copy of vLLM (made once, before any engine needs it)
+# the patched copy of vLLM (made once, before any engine needs it)
+patched() {
+  scripts/test-gpu --collect-only -q tests/gpu/test_smoke.py > "$R/patch.log" 2>&1
+}
+
+# the 8- and 16-layer and BF16 models, then the patched copy
 models() {
   if [[ ! -f $M/target-int4-16l/.complete || ! -f $M/target-bf16-2l/.complete ]]; then
     scripts/gpu-suite --budget-s 300 --out "$R/models" 'model:target-int4-8l:--layers 8' \
       'model:target-int4-16l:--layers 16' 'model:target-bf16-2l:--layers 2 --quant bf16' ||
       return 1
   fi
-  scripts/test-gpu --collect-only -q tests/gpu/test_smoke.py > "$R/patch.log" 2>&1
+  patched
+}
+
+# the 24-layer model (31 GiB; with the 8- and 16-layer ones a 64 GiB disk is full, so those
+# two go first when space is short)
+model24() {
+  local free
+  free=$(df --output=avail -B1G "$(dirname "$M")" | tail -1)
+  if [[ ! -f $M/target-int4-24l/.complete ]] && ((free < 36)); then
+    echo "gpu-reference: ${free} GiB free; removing the 8- and 16-layer models for the 24-layer one"
+    rm -rf "$M/target-int4-8l" "$M/target-int4-16l"
+  fi
+  scripts/gpu-suite --budget-s 600 --out "$R/model24" 'model:target-int4-24l:--layers 24'
 }
 
 part() {
@@ -92,6 +114,14 @@ run_part() {
     prefill)
       part prefill "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage --group 4 ${RUN[*]} --out OUT/prefill.json"
       ;;
+    table24)
+      model24 || return 1
+      part table24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --host-layers 0,1,2 --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb --group 2 --ttft-32k ${RUN[*]} --out OUT/table24.json"
+      ;;
+    sweep24)
+      model24 || return 1
+      part sweep24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap:26,cpu-offload-gb:26,offload-03-swap:102,cpu-offload-gb:102,offload-03-swap:205,cpu-offload-gb:205 --group 2 ${RUN[*]} --out OUT/sweep24.json"
+      ;;
     prefill8k)
       EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage --group 4 ${RUN[*]} --out OUT/prefill8k.json"
       ;;
@@ -100,9 +130,9 @@ run_part() {
       ;;
     pp2)
       local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
-      scripts/gpu-suite --budget-s 600 --out "$R/pp2-model" \
-        'model:qwen4exp-tiny-int4:--arch qwen4_exp --preset tiny --quant int4' \
-        'model:target-int4-24l:--layers 24' || return 1
+      model24 || return 1
+      scripts/gpu-suite --budget-s 120 --out "$R/pp2-model" \
+        'model:qwen4exp-tiny-int4:--arch qwen4_exp --preset tiny --quant int4' || return 1
       part pp2 "tests:tests/gpu/test_qwen4exp_pp2.py -rA -s" \
         "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --pp-size 2 --configs unpatched,offload-02,offload-03-swap --group 2 ${RUN[*]} --out OUT/pp2-24l.json" \
         "serve:--compose compose/2x32GB.yml --model $q4 ${small[*]} --attention-backend TRITON_ATTN" \
@@ -114,7 +144,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | prefill8k | streams | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2
@@ -123,7 +153,11 @@ for p in "$@"; do
 done
 rc=0
 for p in "$@"; do
-  [[ $p == models ]] || models || true
+  case $p in
+    models) ;;
+    table24 | sweep24 | pp2) patched || true ;; # they make their own models
+    *) models || true ;;
+  esac
   run_part "$p" || rc=1
 done
 exit $rc

@@ -170,6 +170,52 @@ def test_non_empty_output_needs_force(tmp_path, repo_root):
     assert (tmp_path / "keep").exists()
 
 
+# one routed expert of the target geometry in the INT4 checkpoint (hidden 2560, width 640, GPTQ
+# group 128): gate and up 819,200 + 25,600 + 6,400 + 10,240 B each, down 819,200 + 25,600 +
+# 6,400 + 2,560 B (qweight, fp16 scales, qzeros, g_idx)
+TARGET_EXPERT_BYTES = 2 * 861_440 + 853_760
+
+
+def test_too_little_disk_space_is_found_before_writing(tmp_path, monkeypatch):
+    """A 24-layer target checkpoint holds 29.5 GiB of routed experts; what --force would
+    remove counts as free."""
+    import shutil
+
+    from eodev.testmodel import cli
+
+    plan = Plan(dataclasses.replace(cli.PRESETS["target"], num_layers=24), Planting())
+    need = 24 * 512 * TARGET_EXPERT_BYTES
+    out = tmp_path / "models" / "target-int4-24l"  # its parent does not exist yet
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage._replace(free=need))
+    assert cli._disk_shortfall(plan, "int4", out, force=False) is None
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage._replace(free=need - 1000))
+    why = cli._disk_shortfall(plan, "int4", out, force=False)
+    assert why.startswith("the routed experts of 24 layers need 29.5 GiB")
+    assert "remove other test models" in why
+    out.mkdir(parents=True)
+    (out / "model-00001.safetensors").write_bytes(b"x" * 1000)
+    assert cli._disk_shortfall(plan, "int4", out, force=True) is None
+    assert cli._disk_shortfall(plan, "int4", out, force=False) is not None
+
+
+def test_make_test_model_stops_on_a_full_disk_before_removing_anything(
+    tmp_path, monkeypatch, capsys
+):
+    import shutil
+
+    from eodev.testmodel import cli
+
+    out = tmp_path / "target-int4-24l"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage._replace(free=1 << 30))
+    assert cli.main([str(out), "--layers", "24", "--force"]) == 4
+    assert "need 29.5 GiB" in capsys.readouterr().err
+    assert (out / "keep").exists()
+
+
 # ---- tokenizer ---------------------------------------------------------------------------------
 def test_tokenizer_round_trips_conversations(tiny_int4):
     from transformers import AutoTokenizer

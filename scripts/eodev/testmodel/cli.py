@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 import time
 
@@ -14,6 +15,7 @@ from . import qwen4exp
 from .checkpoint import prepare_dir, write
 from .plant import Geometry, Plan, Planting
 from .stats import calibration_report
+from .weights import TensorFactory
 
 PRESETS = {
     # the target model's expert geometry (Qwen3.8-Flash-Next) with fewer layers
@@ -56,7 +58,8 @@ QWEN4_PRESETS = {
 ARCH_PRESETS = {"qwen3_moe": PRESETS, "qwen4_exp": QWEN4_PRESETS}
 
 EPILOG = """exit codes: 0 written; 1 bad arguments or geometry; 2 usage; 3 output directory
-not empty (use --force); 4 writing failed.
+not empty (use --force); 4 writing failed, or too little disk space for the weights (checked
+before anything is written or removed).
 
 The router picks of this model are planted (see scripts/eodev/testmodel/plant.py and
 tests/README.md): skewed expert popularity, domains and topics with preferred experts, and
@@ -138,6 +141,27 @@ def geometry_from(args: argparse.Namespace) -> Geometry:
     )
 
 
+def _disk_shortfall(plan: Plan, quant: str, out: pathlib.Path, force: bool) -> str | None:
+    """Why the routed experts would not fit on the output's file system (None: they fit),
+    counting what --force would remove first."""
+    need = TensorFactory(plan, quant).expert_bytes() * plan.geometry.num_experts
+    need *= plan.geometry.num_layers
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
+    if force and out.is_dir():
+        free += sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    if need <= free:
+        return None
+    gib = 1 << 30
+    return (
+        f"the routed experts of {plan.geometry.num_layers} layers need {need / gib:.1f} GiB and "
+        f"{existing} has {free / gib:.1f} GiB free: remove other test models (e.g. under "
+        "EO_GPU_WORK/models) or write OUT elsewhere"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     shape = None
@@ -154,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not args.no_weights and (short := _disk_shortfall(plan, args.quant, args.out, args.force)):
+        print(f"error: {short}", file=sys.stderr)
+        return 4
     try:
         prepare_dir(args.out, args.force)
     except FileExistsError as e:

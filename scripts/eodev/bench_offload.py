@@ -1125,7 +1125,7 @@ def vram_saved(mem: dict, base: dict | None) -> dict | None:
 
 def vram_saved_lines(doc: dict) -> list[str]:
     """One line per configuration with experts on host: the VRAM it saved against the
-    bytes it placed there (issue 3 asks for within 2%), and the block slack where
+    bytes it placed there (the target is within 2%), and the block slack where
     recorded."""
     lines = []
     for r in doc["runs"]:
@@ -1252,7 +1252,7 @@ def _repeat_ratios(mine: list[float], theirs: list[float] | None) -> dict:
 
 def reproduction(doc: dict, previous: dict) -> list[dict]:
     """Each configuration x workload of `doc` against the same row of an earlier run of the
-    suite (issue 6: a second run reproduces each ratio within the spread the first reports).
+    suite (a second run should reproduce each ratio within the spread the first reports).
     A row is reproduced when this run's ratio lies within the earlier run's per-repeat
     range; rows without a range on both sides, or whose engines ran different paths (one
     table on a different number of layers), are listed, undecided."""

@@ -29,7 +29,7 @@ The reference build measured the same thing: logprob differences against no
 offload of 0.005-0.024, against 0.004-0.021 between two no-offload servers, a maximum 1.14x
 the noise's; here offload-02 and the swap's decode maxima are 1.11-1.12x (every H200 run
 of 2026-12-01 and 2026-12-02). The
-tolerance is the decision (2026-12-01) that the issues' "no larger than the unpatched noise"
+tolerance is the decision (2026-12-01) that the target "no larger than the unpatched noise"
 holds configurations that reorder sums by design to this bound, not to the noise itself: no
 two-call split can meet the noise exactly on 0.29.0's Marlin (above), and offload-03 without
 swap, which makes the unpatched call, is held to 1x.

@@ -604,7 +604,7 @@ def test_rows_whose_engine_ran_another_path_are_flagged():
 
 
 def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
-    """Issue 6's sweep: offload-03 with swap against --cpu-offload-gb at every cold-set size
+    """The sweep: offload-03 with swap against --cpu-offload-gb at every cold-set size
     that both ran, the plain configurations standing for the run's main size."""
     from eodev.bench.sweep import plot_sweep, sweep_lines, sweep_points
 
@@ -712,7 +712,7 @@ def test_the_report_flags_an_unpatched_engine_far_from_the_others():
 
 def test_the_report_names_what_an_engine_holds_beside_its_weights():
     """From the probe's census of both engines: the extra bytes of a configuration over its
-    unpatched engine, and the tensor groups it holds more of (issue 3's 72 MB that
+    unpatched engine, and the tensor groups it holds more of (the 72 MB that
     offload-02 held on 2026-12-01, which totals alone could not name)."""
     from eodev import bench_offload
 

@@ -152,7 +152,7 @@ def test_counts_decay_with_the_half_life():
 
 
 def test_swap_halves_host_reads_on_conversations_that_stay_in_one_domain(repo_root, tmp_path):
-    """The issue's finding on the synthetic model: a cold set from mixed data, then the
+    """The finding on the synthetic model: a cold set from mixed data, then the
     runtime swap on held-out conversations of one domain cuts host reads by more than half,
     also counting each swap as two reads; and the mixed set beats uniform on every domain
     while a one-domain set is worse than uniform on its opposite domain."""

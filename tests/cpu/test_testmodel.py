@@ -307,7 +307,7 @@ def test_router_picks_counted_over_generated_prompts_are_skewed(tiny_int4):
 
 # ---- calibration of the plan ---------------------------------------------------------------
 def test_planted_statistics_match_the_reference():
-    """SPEC / issue calibration: least-used 10% get ~0.3% in-sample; a cold set of 10% from
+    """The calibration targets: least-used 10% get ~0.3% in-sample; a cold set of 10% from
     normalised multi-domain counts gets ~2.5% on held-out prompts; one-domain sets are worse
     than uniform on the opposite domain; the mixed set beats uniform on every domain."""
     plan = Plan(PRESETS["tiny"], Planting())

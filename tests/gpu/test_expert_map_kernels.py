@@ -273,7 +273,7 @@ def _cuda_storages(*modules: torch.nn.Module) -> tuple[set[int], int]:
 def test_split_layer_saves_the_vram_it_places_on_host(vllm_context, tmp_path, layers):
     """offload-02 at the reference geometry (512 INT4 experts, 51 of them on host, as in
     the benchmark's 10% point): the VRAM that split layers hold after loading and repack
-    is the unsplit layers' less the host tables' bytes, within 2% of them (issue 3). With
+    is the unsplit layers' less the host tables' bytes, within 2% of them. With
     16 layers, every layer is loaded before any is repacked, as vLLM's loader does, so the
     caching allocator sees the engine's sequence of allocations. What the split layers
     hold beside their GPU experts is listed by the code that allocated it (CUDA allocator

@@ -1,4 +1,4 @@
-"""The host-fraction sweep of a bench-offload run (issue 6): offload-03 with runtime swap
+"""The host-fraction sweep of a bench-offload run : offload-03 with runtime swap
 against vLLM's --cpu-offload-gb at each cold-set size, as ratios to the unpatched engine
 of the same run (or group), a markdown section and a plot.
 

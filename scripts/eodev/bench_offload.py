@@ -659,6 +659,15 @@ def _machines(results: dict) -> list[dict]:
     return machines
 
 
+def base_of(results: dict, spec: str, rnd: int, unit_bases: list[str]) -> dict | None:
+    """The unpatched engine a configuration's ratios are taken against: a unit's unpatched
+    engine is its own baseline; others, the engine paired with them, else the round's."""
+    res = results[(spec, rnd)]
+    if spec in unit_bases:
+        return res
+    return res.get("paired_base") or results.get(("unpatched", rnd))
+
+
 def collect_runs(
     results: dict, specs: list[str], unit_bases: list[str], rounds: int, host_read_us
 ) -> list[dict]:
@@ -672,9 +681,7 @@ def collect_runs(
                 res = results.get((spec, rnd))
                 if res is None or workload not in res["tasks"]:
                     continue
-                # ratios against the paired unpatched engine, else within the round
-                base = res.get("paired_base") or results.get(("unpatched", rnd))
-                base = res if spec in unit_bases else base  # a unit's own baseline
+                base = base_of(results, spec, rnd, unit_bases)
                 row = _run_row(res["spec"]["config"], workload, res, base, host_read_us)
                 if spec != res["spec"]["config"]:
                     row["variant"] = spec
@@ -720,7 +727,13 @@ def result_doc(
             if "decide_ab" in res["tasks"]
         },
         "profiles": profiles(results),
-        "streams": bench_streams.rows(results, specs, collected.unit_bases),
+        "streams": bench_streams.rows(
+            [
+                (spec, results[(spec, 1)], base_of(results, spec, 1, collected.unit_bases))
+                for spec in specs + collected.unit_bases
+                if (spec, 1) in results
+            ]
+        ),
         "not_run": collected.not_run,
         "failed": collected.failed,
     }

@@ -70,17 +70,14 @@ def engine_overrides(streams: list[int]) -> dict:
     return {"max_num_seqs": max(top, 4), "compilation_config": {"cudagraph_capture_sizes": sizes}}
 
 
-def rows(results: dict, specs: list[str], unit_bases: list[str]) -> list[dict]:
-    """Per configuration (round 1) and N: the streams task's numbers, with the ratio of
-    median total tokens/s against the unpatched engine paired with it (or the run's)."""
+def rows(runs: list[tuple[str, dict, dict | None]]) -> list[dict]:
+    """Per configuration (spec, its result, the unpatched result its ratios are taken
+    against) and N: the streams task's numbers, with the ratio of median total tokens/s
+    against that unpatched engine at the same N."""
     out = []
-    for spec in specs + unit_bases:
-        res = results.get((spec, 1))
-        if res is None or "streams" not in res["tasks"]:
+    for spec, res, base in runs:
+        if "streams" not in res["tasks"]:
             continue
-        base = (
-            res if spec in unit_bases else res.get("paired_base") or results.get(("unpatched", 1))
-        )
         ref = {}
         if base is not None and "streams" in base["tasks"]:
             ref = {r["streams"]: r for r in base["tasks"]["streams"]["by_streams"]}

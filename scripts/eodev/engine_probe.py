@@ -532,17 +532,25 @@ def _stream_params(max_tokens: int):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
 
 
+def _timed_batch(engine, rids: list[str], prompts: list[list[int]], params) -> list[list[float]]:
+    """Requests added together and decoded by stepping the engine: when each of each
+    request's tokens came out (the caller holds the baton)."""
+    for rid, prompt in zip(rids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    stamps: dict[str, list[float]] = {rid: [] for rid in rids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got = stamps[out.request_id]
+            got += [time.perf_counter()] * (len(out.outputs[0].token_ids) - len(got))
+    return [stamps[rid] for rid in rids]
+
+
 def _timed_request(engine, rid: str, prompt: list[int], params) -> tuple[float, list[float]]:
-    """One request alone, in a turn of the baton, by stepping the engine: when it was added
-    and when each of its tokens came out."""
+    """One request alone, in a turn of the baton: when it was added and when each of its
+    tokens came out."""
     with BATON.turn():
         t0 = time.perf_counter()
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-        stamps: list[float] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                n = len(out.outputs[0].token_ids)
-                stamps += [time.perf_counter()] * (n - len(stamps))
+        [stamps] = _timed_batch(engine, [rid], [prompt], params)
     return t0, stamps
 
 
@@ -596,20 +604,6 @@ def _decode_timing(llm, task: dict) -> dict:
     }
 
 
-def _timed_batch(engine, prefix: str, prompts: list[list[int]], params) -> list[list[float]]:
-    """Requests added together and decoded by stepping the engine: when each of each
-    request's tokens came out (the caller holds the baton)."""
-    rids = [f"{prefix}-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(rids, prompts, strict=True):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-    stamps: dict[str, list[float]] = {rid: [] for rid in rids}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got = stamps[out.request_id]
-            got += [time.perf_counter()] * (len(out.outputs[0].token_ids) - len(got))
-    return [stamps[rid] for rid in rids]
-
-
 def _streams(llm, task: dict) -> dict:
     """N concurrent streams for each N of task["streams"]: N requests of distinct prompts
     (task["prompts"], taken in turn) added at once and decoded together, warm-up then
@@ -628,7 +622,8 @@ def _streams(llm, task: dict) -> dict:
             used += n
             with BATON.turn():
                 before = merge_swap_counters(llm.apply_model(_swap_counters))
-                stamps = _timed_batch(engine, f"s{n}-{rep}", batch, params)
+                rids = [f"s{n}-{rep}-{i}" for i in range(n)]
+                stamps = _timed_batch(engine, rids, batch, params)
                 after = merge_swap_counters(llm.apply_model(_swap_counters))
             if rep < warmup:
                 continue

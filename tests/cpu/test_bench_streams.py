@@ -185,7 +185,8 @@ def test_rows_take_their_ratio_from_the_unpatched_engine_at_the_same_n():
         ("offload-03-swap", 1): _result("offload-03-swap", swap),
         ("offload-02", 1): {"spec": {"config": "offload-02"}, "tasks": {}},  # no streams task
     }
-    rows = bench_streams.rows(results, ["unpatched", "offload-03-swap", "offload-02"], [])
+    base = results[("unpatched", 1)]
+    rows = bench_streams.rows([(spec, results[(spec, 1)], base) for spec, _ in results])
     assert [(r["variant"], r["streams"]) for r in rows] == [
         ("unpatched", 1),
         ("unpatched", 16),

@@ -49,7 +49,11 @@ class _FakeLLM:
         outs = []
         for rid, toks in list(self._live.items()):
             toks.append(len(toks))
-            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=toks)]))
+            outs.append(
+                types.SimpleNamespace(
+                    request_id=rid, outputs=[types.SimpleNamespace(token_ids=toks)]
+                )
+            )
             if len(toks) == self.max_tokens:
                 del self._live[rid]
         return outs

@@ -57,7 +57,11 @@ class _Engine:
         for rid, toks in list(self.live.items()):
             self.trace.append("prefill" if not toks else "decode")
             toks.append(len(toks))
-            outs.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=toks)]))
+            outs.append(
+                types.SimpleNamespace(
+                    request_id=rid, outputs=[types.SimpleNamespace(token_ids=toks)]
+                )
+            )
             if len(toks) == self.max_tokens:
                 del self.live[rid]
         return outs

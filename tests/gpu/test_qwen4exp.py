@@ -121,27 +121,36 @@ def _members(cold: pathlib.Path) -> dict[str, tuple[bool, dict, bool, int]]:
 COUNTED = ("q4-offload01", "q4-offload02", "q4-onetable", "q4-onetable-swap")
 
 
+def _empty_folder(folder: pathlib.Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.iterdir():
+        old.unlink()
+
+
 def run_side_by_side(
     model: pathlib.Path,
     members: dict[str, tuple[bool, dict, bool, int]],
     count_files: dict[str, pathlib.Path],
     share: float,
     engine_of: Callable[[str], dict] = lambda name: {},
+    metrics_dirs: dict[str, pathlib.Path] | None = None,
 ) -> dict[str, dict]:
     """Engines (name -> patched, env, rebatched, swap stress steps) side by side, each with
     this file's tasks and engine settings (plus `engine_of(name)`); those in `count_files`
-    count their picks into that file (its folder emptied first). The first two (one
-    unpatched, one patched) start alone, so that each compile cache is filled once."""
+    count their picks into that file, those in `metrics_dirs` publish their /metrics
+    snapshots into that folder (each folder emptied first). The first two (one unpatched,
+    one patched) start alone, so that each compile cache is filled once."""
     group, prompts = [], {}
     for name, (patched, env, rebatched, stress) in members.items():
         env = dict(env)
         if name in count_files:
             path = count_files[name]
-            path.parent.mkdir(parents=True, exist_ok=True)
-            for old in path.parent.iterdir():
-                old.unlink()
+            _empty_folder(path.parent)
             env["VLLM_EXPERT_COUNT_FILE"] = str(path)
             env["VLLM_EXPERT_COUNT_INTERVAL_S"] = "0"
+        if name in (metrics_dirs or {}):
+            _empty_folder(metrics_dirs[name])
+            env["VLLM_EXPERT_METRICS_DIR"] = str(metrics_dirs[name])
         config = {
             "model": str(model),
             "env": env,
@@ -166,14 +175,8 @@ def runs(model, cold_file) -> dict[str, dict]:
     """Every engine of this file, side by side."""
     share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.08)
     counted = {name: _count_file(name) for name in COUNTED}
-    members = _members(cold_file)
-    for name in METERED:
-        folder = _metrics_dir(name)
-        folder.mkdir(parents=True, exist_ok=True)
-        for old in folder.iterdir():
-            old.unlink()
-        members[name][1]["VLLM_EXPERT_METRICS_DIR"] = str(folder)
-    return run_side_by_side(model, members, counted, share)
+    metered = {name: _metrics_dir(name) for name in METERED}
+    return run_side_by_side(model, _members(cold_file), counted, share, metrics_dirs=metered)
 
 
 @pytest.fixture(scope="module")

@@ -72,18 +72,13 @@ COUNTED = ("pp2-offload02", "pp2-onetable-swap")
 def runs(model, cold_file) -> dict[str, dict]:
     share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or 0.1)
     counted = {name: _count_dir(name) / "counts.json" for name in COUNTED}
-    members = _members(cold_file)
-    metrics = _metrics_dir("pp2-onetable-swap")
-    metrics.mkdir(parents=True, exist_ok=True)
-    for old in metrics.iterdir():
-        old.unlink()
-    members["pp2-onetable-swap"][1]["VLLM_EXPERT_METRICS_DIR"] = str(metrics)
     return run_side_by_side(
         model,
-        members,
+        _members(cold_file),
         counted,
         share,
         lambda name: {"pipeline_parallel_size": 1 if name in PP1 else 2},
+        metrics_dirs={"pp2-onetable-swap": _metrics_dir("pp2-onetable-swap")},
     )
 
 

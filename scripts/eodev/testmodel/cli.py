@@ -44,16 +44,7 @@ QWEN4_PRESETS = {
         arch="qwen4_exp",
     ),
     # CPU tests and quick GPU runs: the same routing (512 experts, top-10) on 6 small layers
-    "tiny": Geometry(
-        hidden_size=256,
-        moe_intermediate_size=128,
-        num_layers=6,
-        vocab_size=4096,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        arch="qwen4_exp",
-    ),
+    "tiny": dataclasses.replace(PRESETS["tiny"], num_layers=6, arch="qwen4_exp"),
 }
 ARCH_PRESETS = {"qwen3_moe": PRESETS, "qwen4_exp": QWEN4_PRESETS}
 

@@ -2,9 +2,10 @@
 """Prefill staging (VLLM_EXPERT_PREFILL_STAGING) on the CPU: the series' own PrefillStaging
 with CPU tensors for the host arenas and the VRAM slots, and torch.cuda's streams and events
 replaced by recorders. Checks which layer is copied into which slot and when (one layer
-ahead, a slot reused only after the kernels queued before it, nothing copied again that a
-slot still holds), that the kernel's view holds exactly the host table's weights, the
-threshold and CUDA-graph capture, and the refusals. The copies' overlap and speed need a GPU
+ahead, the first layer after the last for the next chunk, a slot reused only after the
+kernels queued before it, nothing copied again that a slot still holds), that the kernel's
+view holds exactly the host table's parameters (weights and scales), the threshold and
+CUDA-graph capture, and the refusals. The copies' overlap and speed need a GPU
 (tests/gpu/test_prefill_staging_gpu.py).
 
     scripts/test tests/cpu/test_prefill_staging.py
@@ -54,7 +55,7 @@ class Recorder:
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: self.capturing)
 
 
-def host_table(seed: int, experts: int) -> types.SimpleNamespace:
+def host_table(seed: int, experts: int) -> torch.nn.Module:
     """A split layer's host table in its arena: w13 (INT32, packed), scales, w2."""
     g = torch.Generator().manual_seed(seed)
     w13 = torch.randint(-(2**31), 2**31 - 1, (experts, 16, 64), dtype=torch.int32, generator=g)
@@ -71,11 +72,19 @@ def host_table(seed: int, experts: int) -> types.SimpleNamespace:
         arena.host[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
         views.append(arena.device[at : at + n].view(t.dtype).view(t.shape))
         at += size
-    host = types.SimpleNamespace(
-        w13_weight=views[0], w13_scales=views[1], w2_weight=views[2], activation="silu"
-    )
+    host = torch.nn.Module()
+    for name, view in zip(("w13_weight", "w13_scales", "w2_weight"), views, strict=True):
+        host.register_parameter(name, torch.nn.Parameter(view, requires_grad=False))
+    host.activation = "silu"
     host._expert_offload_arena = arena
     return host
+
+
+def arena_extent(host: torch.nn.Module) -> int:
+    """The bytes one copy of this table moves: its arena from the first parameter to the
+    end of the last (the arena aligns each to 256 bytes)."""
+    base = host._expert_offload_arena.device.data_ptr()
+    return max(p.data_ptr() - base + p.numel() * p.element_size() for p in host.parameters())
 
 
 @pytest.fixture
@@ -99,11 +108,10 @@ def _copies(rec: Recorder) -> int:
 
 def test_slots_fit_the_largest_layer_and_small_batches_read_host_memory(staging):
     s, rec, hosts = staging
-    largest = max(
-        sum((getattr(h, n).numel() * 4 + 255) // 256 * 256 for n in ("w13_weight", "w2_weight"))
-        for h in hosts.values()
-    )
-    assert s.slot_bytes == largest and len(s._slots) == 2
+    largest = max(arena_extent(h) for h in hosts.values())
+    # layer 3: w13 7*16*64*4 = 28672, scales 7*2*64*2 = 1792, w2 7*8*32*4 = 7168 bytes
+    assert largest == 28672 + 1792 + 7168
+    assert s.slot_bytes == (largest + 255) // 256 * 256 and len(s._slots) == 2
     assert s.staged("layers.0.mlp.experts", MIN_TOKENS - 1) is None  # decode-sized
     assert rec.calls == [] and s.copies == 0
 
@@ -128,33 +136,54 @@ def test_each_layer_is_copied_once_one_layer_ahead(staging):
         new = rec.calls[before:]
         # this layer's copy was queued by the layer before: only a wait for it
         assert new[0] == ("main_waits_copy",)
-        # the next layer's copy, after every kernel queued so far (the slot's last reader)
-        if name != names[-1]:
-            assert new[1:] == [("side_waits_main",), ("copy_done",)]
-        else:
-            assert new[1:] == []
+        # the next layer's copy, after every kernel queued so far (the slot's last
+        # reader); after the last layer, the first layer's, for the next chunk
+        assert new[1:] == [("side_waits_main",), ("copy_done",)]
         host = hosts[name]
-        assert torch.equal(view.w13_weight, host.w13_weight)
-        assert torch.equal(view.w2_weight, host.w2_weight)
-        assert view.w13_weight.data_ptr() != host.w13_weight.data_ptr()  # a copy
-        assert view.w13_scales is host.w13_scales and view.activation == "silu"
-    assert s.copies == len(names)
+        for param in ("w13_weight", "w13_scales", "w2_weight"):
+            assert torch.equal(getattr(view, param), getattr(host, param))
+            # a copy in the slot, not the host memory
+            assert getattr(view, param).data_ptr() != getattr(host, param).data_ptr()
+        assert view.activation == "silu"
+    assert s.copies == len(names) + 1
+    assert s._holds == [names[0], names[3]]
     # layer i reads slot i % 2
     slots = [s._slots[i % 2].data_ptr() for i in range(len(names))]
     assert [s._view(n, i % 2).w13_weight.data_ptr() for i, n in enumerate(names)] == slots
 
 
-def test_the_next_forward_copies_what_the_slots_no_longer_hold(staging):
+def test_the_next_chunk_finds_its_first_layer_in_its_slot(staging):
     s, rec, hosts = staging
     names = list(hosts)
     for name in names:
         s.staged(name, 1024)
-    assert s.copies == 4 and s._holds == [names[2], names[3]]
-    view = s.staged(names[0], 1024)  # slot 0 holds layer 2 now: copy 0, then 1
+    assert s.copies == 5 and s._holds == [names[0], names[3]]
+    before = len(rec.calls)
+    view = s.staged(names[0], 1024)  # queued by the last layer: only a wait, then layer 1
+    assert rec.calls[before:] == [("main_waits_copy",), ("side_waits_main",), ("copy_done",)]
     assert s.copies == 6
     assert torch.equal(view.w2_weight, hosts[names[0]].w2_weight)
     s.staged(names[1], 1024)
-    assert s.copies == 7  # layer 2 into slot 0, ahead; layer 1 was already there
+    assert s.copies == 7  # layer 2 into slot 0, ahead
+
+
+def test_an_odd_number_of_layers_does_not_copy_the_first_after_the_last(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
+        PrefillStaging,
+    )
+
+    rec = Recorder()
+    rec.install(monkeypatch)
+    s = PrefillStaging(MIN_TOKENS)
+    names = [f"layers.{i}.mlp.experts" for i in range(3)]
+    for i, name in enumerate(names):
+        s.register(host_table(i, 4), name)
+    for name in names:
+        s.staged(name, 1024)
+    # layers 0 and 2 share slot 0: layer 0 may not overwrite it while layer 2 runs
+    assert s.copies == 3 and s._holds == [names[2], names[1]]
+    s.staged(names[0], 1024)
+    assert s.copies == 4  # layer 0 now; layer 1 is still in slot 1
 
 
 def test_a_layer_still_in_its_slot_is_not_copied_again(staging):
@@ -187,13 +216,17 @@ def test_refusals_name_the_problem_and_the_setting(monkeypatch):
     with pytest.raises(ExpertOffloadError, match="no host arena.*VLLM_EXPERT_PREFILL_STAGING"):
         s.register(plain, "layers.0.mlp.experts")
     h = host_table(0, 4)
-    h.w13_weight = h.w13_weight.transpose(1, 2)
-    with pytest.raises(ExpertOffloadError, match="not contiguous"):
+    h.w13_weight.data = h.w13_weight.data.transpose(1, 2)
+    with pytest.raises(ExpertOffloadError, match="w13_weight is not contiguous"):
         s.register(h, "layers.0.mlp.experts")
     h = host_table(0, 4)
-    h.w2_weight = torch.zeros(4, dtype=torch.int32)
-    with pytest.raises(ExpertOffloadError, match="not in the layer's host arena"):
+    h.w13_scales.data = torch.zeros(4, dtype=torch.bfloat16)
+    with pytest.raises(ExpertOffloadError, match="w13_scales is not in the layer's host arena"):
         s.register(h, "layers.0.mlp.experts")
+    empty = torch.nn.Module()
+    empty._expert_offload_arena = host_table(0, 4)._expert_offload_arena
+    with pytest.raises(ExpertOffloadError, match="has no parameters"):
+        s.register(empty, "layers.0.mlp.experts")
 
 
 def test_the_setting_makes_one_staging_per_worker(monkeypatch):

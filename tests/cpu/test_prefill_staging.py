@@ -84,7 +84,9 @@ def arena_extent(host: torch.nn.Module) -> int:
     """The bytes one copy of this table moves: its arena from the first parameter to the
     end of the last (the arena aligns each to 256 bytes)."""
     base = host._expert_offload_arena.device.data_ptr()
-    return max(p.data_ptr() - base + p.numel() * p.element_size() for p in host.parameters())
+    return max(
+        p.data_ptr() - base + p.numel() * p.element_size() for p in host.parameters() if p.numel()
+    )
 
 
 @pytest.fixture
@@ -184,6 +186,25 @@ def test_an_odd_number_of_layers_does_not_copy_the_first_after_the_last(monkeypa
     assert s.copies == 3 and s._holds == [names[2], names[1]]
     s.staged(names[0], 1024)
     assert s.copies == 4  # layer 0 now; layer 1 is still in slot 1
+
+
+def test_an_empty_parameter_is_read_from_the_host_table(monkeypatch):
+    """Marlin's g_idx without act-order is an empty tensor outside the arena (found on an
+    H200): nothing to copy, so the kernel's view takes it from the host table."""
+    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
+        PrefillStaging,
+    )
+
+    Recorder().install(monkeypatch)
+    s = PrefillStaging(MIN_TOKENS)
+    h = host_table(0, 4)
+    empty = torch.nn.Parameter(torch.empty(4, 0, dtype=torch.int32), requires_grad=False)
+    h.register_parameter("w13_g_idx", empty)
+    s.register(h, "layers.0.mlp.experts")
+    assert s.slot_bytes == (arena_extent(h) + 255) // 256 * 256
+    view = s.staged("layers.0.mlp.experts", 4096)
+    assert view.w13_g_idx is h.w13_g_idx
+    assert torch.equal(view.w2_weight, h.w2_weight)
 
 
 def test_a_layer_still_in_its_slot_is_not_copied_again(staging):

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Prefill staging (VLLM_EXPERT_PREFILL_STAGING=1) on a real engine, CUDA graphs on: the same
 kernel on a VRAM copy of the same bytes, so offload-02 with staging gives offload-02's tokens,
-and its logprobs differ from offload-02's no more than two offload-02 engines' differ from each
-other (prompt and decode, prefill chunks of 512 and 2048 tokens staged, decode not). Separate
-engine processes are not bit-identical on prompt logprobs even unpatched (H200, 2026-12-01:
-prompt max 0.12 between two identical unpatched engines), so the bound is that noise, measured
-in the same run, not zero. The start-up line states the slots' VRAM. TTFT of the engines is
-logged for the record; the speed result comes from `bench-offload`.
+and its logprobs differ from offload-02's no more than 1.5x as much as two offload-02 engines'
+differ from each other (`lp.SAME_KERNELS_TOLERANCE`; prompt and decode, prefill chunks of 512
+and 2048 tokens staged, decode not). Separate engine processes are not bit-identical on prompt
+logprobs even unpatched (H200, 2026-12-01: prompt max 0.12 between two identical unpatched
+engines), so the bound is that noise, measured in the same run, not zero. The start-up line
+states the slots' VRAM. TTFT of the engines is logged for the record; the speed result comes
+from `bench-offload`.
 
     scripts/test-gpu tests/gpu/test_prefill_staging_gpu.py -s
 """
@@ -83,7 +84,8 @@ def test_staging_gives_offload02s_numbers_up_to_its_noise(runs, chunk):
     (gh.WORK / f"prefill-staging-{chunk}.json").write_text(json.dumps(report, indent=1))
     assert d["tokens_identical"]
     assert report["vs_unpatched"]["tokens_identical"]
-    problems = lp.failures(d, noise)
+    # the same kernel on the same bytes, against a noise of one pair
+    problems = lp.failures(d, noise, lp.SAME_KERNELS_TOLERANCE)
     assert not problems, "; ".join(problems)
 
 

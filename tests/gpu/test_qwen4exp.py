@@ -192,8 +192,7 @@ def noise(runs) -> dict:
     )
 
 
-def _check(tag: str, run: dict, unpatched: dict, noise_: dict, reordered: bool) -> None:
-    tolerance = lp.REORDERED_SUM_TOLERANCE if reordered else 1.0
+def _check(tag: str, run: dict, unpatched: dict, noise_: dict, tolerance: float) -> None:
     d = lp.diff_runs(run, unpatched)
     report = {"check": tag, "vs_unpatched": d, "unpatched_noise": noise_, "tolerance": tolerance}
     gh.log(json.dumps(report))
@@ -203,17 +202,18 @@ def _check(tag: str, run: dict, unpatched: dict, noise_: dict, reordered: bool) 
 
 
 @pytest.mark.parametrize(
-    "name,reordered",
+    "name,tolerance",
     [
-        ("q4-offload01", False),  # the unpatched kernel call, on host memory
-        ("q4-offload02", True),  # two calls over disjoint experts
+        # the unpatched kernel call, on host memory
+        ("q4-offload01", lp.SAME_KERNELS_TOLERANCE),
+        ("q4-offload02", lp.REORDERED_SUM_TOLERANCE),  # two calls over disjoint experts
         # one call over all experts, rows fixed; on this geometry the INT4 one-table layer
         # is not bit-exact to the unsplit one (bench/results/2026-12-03-qwen4exp-gpu-h200.md)
-        ("q4-onetable", True),
-        ("q4-onetable-swap", True),  # rows move while it runs
+        ("q4-onetable", lp.REORDERED_SUM_TOLERANCE),
+        ("q4-onetable-swap", lp.REORDERED_SUM_TOLERANCE),  # rows move while it runs
     ],
 )
-def test_offload_matches_unpatched(runs, noise, name, reordered):
+def test_offload_matches_unpatched(runs, noise, name, tolerance):
     run = runs[name]
     mem = run["memory"]
     assert mem["moe_layers"] == 6  # the model's layers; MTP is not built without drafting
@@ -227,7 +227,7 @@ def test_offload_matches_unpatched(runs, noise, name, reordered):
         assert before > 0
         log = pathlib.Path(run["log_file"]).read_text()
         assert "self-check passed" in log and "self-check FAILED" not in log
-    _check(name, run, runs["q4-unpatched"], noise, reordered)
+    _check(name, run, runs["q4-unpatched"], noise, tolerance)
 
 
 def _planted_counts(plan, run: dict) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -317,5 +317,5 @@ def test_ple_table_in_host_memory_gives_the_same_tokens(runs, noise):
     gh.log(f"PLE host vs gpu: {json.dumps(d)}")
     assert d["tokens_identical"]
     assert lp.diff_runs(gpu, runs["q4-unpatched"])["tokens_identical"]
-    # the same rows, read from elsewhere: no more than the unpatched engine's own noise
-    assert not lp.failures(d, noise, 1.0, lp.PER_PROMPT_STATS)
+    # the same rows read from elsewhere by the same kernels: one more sample of the noise
+    assert not lp.failures(d, noise, lp.SAME_KERNELS_TOLERANCE, lp.PER_PROMPT_STATS)

@@ -27,6 +27,11 @@
 #              experts per 8k prompt instead of four)
 #   streams    unpatched and offload-03-swap at 10% host on the 16-layer model, 1, 4 and 16
 #              streams of mixed domains decoded together: total tokens/s, TPOT, swap counters
+#   ple-cost   Qwen4Exp's PLE n-gram tables in host memory against in VRAM, on the tiny Qwen4Exp
+#              model with two 3.8 GiB tables (--ngram-vocab-base 8000000: far past the GPU's L2
+#              cache, as the real 95 GiB tables are): greedy tokens, decode TPOT, prefill TTFT
+#              (tests/gpu/test_ple_host_table.py; the offline bundle also needs EO_ENGINE_EXTRA
+#              '{"attention_config": {"flash_attn_version": 2}, "gdn_prefill_backend": "triton"}')
 #   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
 #              (tests/gpu/test_qwen4exp_pp2.py); unpatched, offload-02 and offload-03-swap at
 #              PP=2 on a 24-layer model at 10% host side by side; compose/2x32GB.yml's command
@@ -128,6 +133,10 @@ run_part() {
     streams)
       part streams "bench:${HOST10[*]} --configs unpatched,offload-03-swap --group 2 --streams 1,4,16 ${RUN[*]} --out OUT/streams.json"
       ;;
+    ple-cost)
+      EO_QWEN4EXP_MAKE_ARGS="--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 8000000" \
+        EO_GPU_MEMORY_UTILIZATION=0.3 part ple-cost "tests:tests/gpu/test_ple_host_table.py -rA -s"
+      ;;
     pp2)
       local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
       model24 || return 1
@@ -144,7 +153,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | ple-cost | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2

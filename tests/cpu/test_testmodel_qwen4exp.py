@@ -66,6 +66,49 @@ def vllm_load(model: pathlib.Path, repo_root: pathlib.Path, *args: str) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def test_ngram_vocab_base_sizes_the_ple_tables_and_the_disk_check(tmp_path, monkeypatch, capsys):
+    """--ngram-vocab-base reaches config.json, and the disk check counts the PLE tables as
+    vLLM's layout sizes them from that config (eotools.ple_table)."""
+    import dataclasses
+    import shutil
+
+    from eodev.testmodel import cli
+    from eotools.ple_table import ple_tables
+
+    out = tmp_path / "q4"
+    assert cli.main([str(out), "--arch", "qwen4_exp", "--preset", "tiny", "--no-weights",
+                     "--ngram-vocab-base", "100003"]) == 0  # fmt: skip
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["text_config"]["ngram_vocab_size_base"] == 100003
+    tables = ple_tables(cfg)
+    # two PLE layers, 16 heads of about 100,003 rows each, 256 / 16 = 16 BF16 values per row
+    assert len(tables) == 2 and all(t.width == 16 and t.element_bytes == 2 for t in tables)
+    assert all(16 * 100003 <= t.rows < 16 * 100003 + 16 * 2000 for t in tables)
+    shape = dataclasses.replace(SHAPE, ngram_vocab_size_base=100003)
+    ple = sum(t.nbytes for t in tables)
+    assert qwen4exp.ple_table_bytes(shape, 6, 256) == ple
+
+    experts = cli.TensorFactory(TINY, "int4").expert_bytes() * 512 * 6
+    usage = shutil.disk_usage(tmp_path)
+    new = tmp_path / "q4-weights"
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage._replace(free=experts + ple))
+    assert cli._disk_shortfall(TINY, "int4", new, False, shape) is None
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage._replace(free=experts + 1000))
+    why = cli._disk_shortfall(TINY, "int4", new, False, shape)
+    assert why and why.startswith("the routed experts of 6 layers and the PLE tables need")
+    assert cli._disk_shortfall(TINY, "int4", new, False) is None  # experts alone fit
+
+
+def test_ngram_vocab_base_is_refused_where_it_means_nothing(tmp_path, capsys):
+    from eodev.testmodel import cli
+
+    assert cli.main([str(tmp_path / "a"), "--preset", "tiny", "--ngram-vocab-base", "5003"]) == 1
+    assert "--ngram-vocab-base is for --arch qwen4_exp" in capsys.readouterr().err
+    argv = [str(tmp_path / "b"), "--arch", "qwen4_exp", "--preset", "tiny"]
+    assert cli.main([*argv, "--ngram-vocab-base", "1"]) == 1
+    assert "must be at least 2" in capsys.readouterr().err
+
+
 # ---- config and names --------------------------------------------------------------------------
 def test_config_has_every_feature_and_one_ple_layer_per_pp_stage(q4_int4):
     cfg = json.loads((q4_int4 / "config.json").read_text())

@@ -89,6 +89,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, help="experts per token (default 10)")
     ap.add_argument("--expert-width", type=int, help="moe_intermediate_size (default 640)")
     ap.add_argument("--vocab-size", type=int)
+    ap.add_argument(
+        "--ngram-vocab-base",
+        type=int,
+        help="qwen4_exp: rows per PLE n-gram head, about (presets: tiny 1021, target-stage "
+        "4099; the real model 20,000,000); a table's bytes are about this x 2 x hidden "
+        "per PLE layer, e.g. 8,000,000 on tiny gives two 3.8 GiB tables",
+    )
     ap.add_argument("--seed", type=int, default=0, help="planting seed (default 0)")
     ap.add_argument(
         "--device",
@@ -132,11 +139,21 @@ def geometry_from(args: argparse.Namespace) -> Geometry:
     )
 
 
-def _disk_shortfall(plan: Plan, quant: str, out: pathlib.Path, force: bool) -> str | None:
-    """Why the routed experts would not fit on the output's file system (None: they fit),
-    counting what --force would remove first."""
-    need = TensorFactory(plan, quant).expert_bytes() * plan.geometry.num_experts
-    need *= plan.geometry.num_layers
+def _disk_shortfall(
+    plan: Plan,
+    quant: str,
+    out: pathlib.Path,
+    force: bool,
+    shape: qwen4exp.Qwen4ExpShape | None = None,
+) -> str | None:
+    """Why the routed experts (and a Qwen4Exp model's PLE tables) would not fit on the
+    output's file system (None: they fit), counting what --force would remove first."""
+    g = plan.geometry
+    need = TensorFactory(plan, quant).expert_bytes() * g.num_experts * g.num_layers
+    what = f"the routed experts of {g.num_layers} layers"
+    if shape is not None:
+        need += qwen4exp.ple_table_bytes(shape, g.num_layers, g.hidden_size)
+        what += " and the PLE tables"
     existing = out
     while not existing.exists():
         existing = existing.parent
@@ -147,7 +164,7 @@ def _disk_shortfall(plan: Plan, quant: str, out: pathlib.Path, force: bool) -> s
         return None
     gib = 1 << 30
     return (
-        f"the routed experts of {plan.geometry.num_layers} layers need {need / gib:.1f} GiB and "
+        f"{what} need {need / gib:.1f} GiB and "
         f"{existing} has {free / gib:.1f} GiB free: remove other test models (e.g. under "
         "EO_GPU_WORK/models) or write OUT elsewhere"
     )
@@ -160,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan(geometry_from(args), Planting(seed=args.seed))
         if args.arch == "qwen4_exp":
             shape = qwen4exp.PRESETS[args.preset or "target-stage"]
+            if args.ngram_vocab_base is not None:
+                if args.ngram_vocab_base < 2:
+                    raise ValueError("--ngram-vocab-base must be at least 2")
+                shape = dataclasses.replace(shape, ngram_vocab_size_base=args.ngram_vocab_base)
             shape.ple_layers(plan.geometry.num_layers)  # refuses too few layers
+        elif args.ngram_vocab_base is not None:
+            raise ValueError("--ngram-vocab-base is for --arch qwen4_exp (PLE tables)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -169,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not args.no_weights and (short := _disk_shortfall(plan, args.quant, args.out, args.force)):
+    short = None
+    if not args.no_weights:
+        short = _disk_shortfall(plan, args.quant, args.out, args.force, shape)
+    if short:
         print(f"error: {short}", file=sys.stderr)
         return 4
     try:

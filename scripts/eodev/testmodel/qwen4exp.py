@@ -99,6 +99,14 @@ def ngram_rows(shape: Qwen4ExpShape, dense_id: int) -> int:
     return -(-total // d) * d
 
 
+def ple_table_bytes(shape: Qwen4ExpShape, num_layers: int, hidden_size: int) -> int:
+    """Bytes of every PLE layer's n-gram table in the checkpoint (BF16, width hidden over
+    the n-gram heads)."""
+    width = hidden_size // shape.ngram_heads
+    layers = len(shape.ple_layers(num_layers))
+    return sum(ngram_rows(shape, d) * width * 2 for d in range(layers))
+
+
 def hf_config(plan: Plan, shape: Qwen4ExpShape, quant: str, max_positions: int) -> dict:
     g = plan.geometry
     text = {

@@ -94,7 +94,13 @@ def test_every_tool_in_scripts_answers_help(repo_root):
         assert len(r.stdout.strip().splitlines()) >= 2, f"{tool.name} --help printed no usage"
 
 
-TOOLS_WITH_PACKAGES = ("bench", "compare-logprobs", "make-test-model", "bench-host-read")
+TOOLS_WITH_PACKAGES = (
+    "bench",
+    "compare-logprobs",
+    "make-test-model",
+    "bench-host-read",
+    "bench-ple-read",
+)
 
 
 @pytest.fixture(scope="module")

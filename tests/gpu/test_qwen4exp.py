@@ -5,7 +5,8 @@ expert), PP=1, CUDA graphs on: offload-01, offload-02, one table, one table with
 swap, each with the counting hook on (offload-02 and the swap also write the snapshots /metrics
 is served from), against the unpatched engine: greedy tokens identical and
 logprob differences within the unpatched engine's own noise (`eodev.logprob_noise`: twice
-that where the kernel's sums are reordered by design), judged per prompt
+that where the kernel's sums are reordered by design, 1.5x where the engine runs the very
+kernels of its reference, as offload-01 and the PLE pair do), judged per prompt
 (`lp.PER_PROMPT_STATS`: a rounding flip in a Gated DeltaNet layer carries to every later
 token of its prompt, so the mean over all prompts measures where the first flip fell). The
 shared expert's output is in every token (its down projection writes the token subspace the LM

@@ -2,9 +2,11 @@
 """The 2x32GB layout's parallelism on two GPUs: the Qwen4Exp test model (PLE on, a PLE layer
 on each stage of the 3 + 3 split) at pipeline parallel 2 with the series, against the
 unpatched engine at PP=1 (upstream refuses PP=2 with PLE): greedy tokens identical and
-logprob differences within the unpatched engine's own noise, for the series alone, offload-02
-and one table with the runtime swap (each rank builds, checks and logs its own layers of the
-cold file), CUDA graphs on, the n-gram table in host memory as compose/2x32GB.yml sets it.
+logprob differences within the unpatched engine's own noise (1.5x for the series alone, which
+runs the same kernels on two ranks; 2x where sums are reordered), for the series alone,
+offload-02 and one table with the runtime swap (each rank builds, checks and logs its own
+layers of the cold file), CUDA graphs on, the n-gram table in host memory as
+compose/2x32GB.yml sets it.
 The counting hook writes one file per rank (`.pp0`, `.pp1`), each with its stage's layers,
 and each rank publishes its own /metrics snapshot.
 

@@ -24,7 +24,8 @@
 #              at 10% host, TTFT 2k/8k/32k; two configurations beside each unpatched engine
 #   sweep24    offload-03-swap against --cpu-offload-gb at 5, 20 and 40% host, 24 layers
 #   prefill8k  prefill's parts again with 8192-token prefill chunks (one copy of the host
-#              experts per 8k prompt instead of four)
+#              experts per 8k prompt instead of four), and offload-03-swap with and without
+#              staging
 #   streams    unpatched and offload-03-swap at 10% host on the 16-layer model, 1, 4 and 16
 #              streams of mixed domains decoded together: total tokens/s, TPOT, swap counters
 #   ple-cost   Qwen4Exp's PLE n-gram tables in host memory against in VRAM, on the tiny Qwen4Exp
@@ -128,7 +129,7 @@ run_part() {
       part sweep24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap:26,cpu-offload-gb:26,offload-03-swap:102,cpu-offload-gb:102,offload-03-swap:205,cpu-offload-gb:205 --group 2 ${RUN[*]} --out OUT/sweep24.json"
       ;;
     prefill8k)
-      EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage --group 4 ${RUN[*]} --out OUT/prefill8k.json"
+      EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage,offload-03-swap,offload-03-swap+stage --group 4 ${RUN[*]} --out OUT/prefill8k.json"
       ;;
     streams)
       part streams "bench:${HOST10[*]} --configs unpatched,offload-03-swap --group 2 --streams 1,4,16 ${RUN[*]} --out OUT/streams.json"

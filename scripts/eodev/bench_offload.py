@@ -147,7 +147,7 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
         "usage-counting hook on, +churn makes offload-03-swap decide every decode step with "
         "no margin and a half-life of one step (and self-check every 500 decisions), +hold "
         "makes it count and decide as usual but never swap (the cost of counting and "
-        "deciding alone, against offload-03), +stage turns offload-02's prefill staging on, "
+        "deciding alone, against offload-03), +stage turns prefill staging on (offload-02/03), "
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )

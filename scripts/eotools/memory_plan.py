@@ -657,7 +657,9 @@ class Plan:
 def staging_bytes(host: int, moe_layers: int, expert_bytes: int, s: Serving) -> int:
     """Prefill staging's VRAM on one rank: two slots of the largest layer's host experts,
     the host budget spread evenly over the stage's MoE layers as a budget-only start
-    spreads it (an upper bound: the slots hold the packed weights, not their scales)."""
+    spreads it (the slots hold the packed weights, not their scales; with one table they
+    can be a few MiB larger: each weight's slot is rounded up to 2 MiB, and one table keeps
+    about two more experts per layer on host)."""
     if not s.prefill_staging or not host or not moe_layers:
         return 0
     per_layer = -(-(host // expert_bytes) // moe_layers)

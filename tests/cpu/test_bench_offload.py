@@ -88,6 +88,7 @@ def test_config_specs():
     assert parse_spec("offload-03-swap+hold") == ("offload-03-swap", "hold", None, None)
     assert parse_spec("cpu-offload-gb:205") == ("cpu-offload-gb", "", None, 205)
     assert parse_spec("offload-02:26+stage") == ("offload-02", "stage", None, 26)
+    assert parse_spec("offload-03-swap+stage") == ("offload-03-swap", "stage", None, None)
     assert spec_slug("offload-02") == "offload-02"  # the committed raw runs' names
     assert spec_slug("offload-03-swap:26") == "offload-03-swap-h26"
     assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
@@ -98,7 +99,7 @@ def test_config_specs():
         "unpatched+count",
         "offload-03+hold",
         "offload-03-swap+churn+hold",
-        "offload-03-swap+stage",
+        "offload-01+stage",
         "unpatched+stage",
     )
     for spec in (*bad, "unpatched:3", "offload-01:3", "offload-02:x", "offload-02:0"):

@@ -143,7 +143,7 @@ def test_each_layer_is_copied_once_one_layer_ahead(staging):
         # the scales reach the kernel through its quantisation config, from host memory
         assert view.w13_scales is host.w13_scales and view.activation == "silu"
     assert s.copies == len(names) + 1
-    assert s._holds == [names[0], names[3]]
+    assert s.held == [names[0], names[3]]
     # layer i reads slot i % 2
     slots = [s._slots[i % 2].data_ptr() for i in range(len(names))]
     assert [s._view(n, i % 2).w13_weight.data_ptr() for i, n in enumerate(names)] == slots
@@ -154,7 +154,7 @@ def test_the_next_chunk_finds_its_first_layer_in_its_slot(staging):
     names = list(hosts)
     for name in names:
         s.staged(name, 1024)
-    assert s.copies == 5 and s._holds == [names[0], names[3]]
+    assert s.copies == 5 and s.held == [names[0], names[3]]
     before = len(rec.calls)
     view = s.staged(names[0], 1024)  # queued by the last layer: only a wait, then layer 1
     assert rec.calls[before:] == [("main_waits_copy",), ("side_waits_main",), ("copy_done",)]
@@ -178,7 +178,7 @@ def test_an_odd_number_of_layers_does_not_copy_the_first_after_the_last(monkeypa
     for name in names:
         s.staged(name, 1024)
     # layers 0 and 2 share slot 0: layer 0 may not overwrite it while layer 2 runs
-    assert s.copies == 3 and s._holds == [names[2], names[1]]
+    assert s.copies == 3 and s.held == [names[2], names[1]]
     s.staged(names[0], 1024)
     assert s.copies == 4  # layer 0 now; layer 1 is still in slot 1
 

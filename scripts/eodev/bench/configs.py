@@ -17,7 +17,7 @@ def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
     experts of every layer on host (offload-02/03; for cpu-offload-gb the same bytes);
     `+count` turns the usage-counting hook on; `+churn` makes the runtime swap decide every
     decode step; `+hold` makes it decide as usual with a margin no count reaches (no swap);
-    `+stage` turns offload-02's prefill staging on (VLLM_EXPERT_PREFILL_STAGING=1);
+    `+stage` turns prefill staging on (VLLM_EXPERT_PREFILL_STAGING=1; offload-02/03);
     `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
     spec, _, tree = spec.partition("@")
     head, *extras = spec.split("+")
@@ -34,9 +34,10 @@ def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
     for x in extras:
         if x not in ("count", "churn", "hold", "stage"):
             raise SystemExit(f"unknown variant +{x} in {spec!r}: +count, +churn, +hold or +stage")
-    if "stage" in extras and name != "offload-02":
+    if "stage" in extras and name not in ("offload-02", "offload-03", "offload-03-swap"):
         raise SystemExit(
-            f"+stage needs offload-02 (prefill staging stages split layers only), not {name}"
+            f"+stage needs offload-02, offload-03 or offload-03-swap (prefill staging stages "
+            f"host experts), not {name}"
         )
     for x in ("churn", "hold"):
         if x in extras and name != "offload-03-swap":

@@ -226,6 +226,7 @@ def test_the_setting_makes_one_staging_per_worker(monkeypatch):
     from vllm.model_executor.layers.fused_moe.expert_offload import prefill_staging
 
     monkeypatch.setattr(prefill_staging, "_staging", None)
+    monkeypatch.setattr(prefill_staging, "_one_table_staging", None)
     monkeypatch.delenv("VLLM_EXPERT_PREFILL_STAGING", raising=False)
     assert prefill_staging.staging_for_registration() is None  # off by default
     monkeypatch.setenv("VLLM_EXPERT_PREFILL_STAGING", "1")
@@ -234,3 +235,10 @@ def test_the_setting_makes_one_staging_per_worker(monkeypatch):
     assert first is not None and first.min_tokens == 300
     assert prefill_staging.staging_for_registration() is first
     assert prefill_staging.get_staging() is first
+    # one-table layers: a staging of their own, with the same threshold
+    one = prefill_staging.one_table_staging_for_registration()
+    assert isinstance(one, prefill_staging.OneTableStaging) and one.min_tokens == 300
+    assert prefill_staging.one_table_staging_for_registration() is one
+    prefill_staging.reset()
+    assert prefill_staging.get_staging() is None
+    assert prefill_staging.one_table_staging_for_registration() is not one

@@ -851,9 +851,9 @@ def render_markdown(p: Plan) -> str:
         )
     lines += [f"- {n}" for n in p.notes]
     lines.append(
-        "- allowance: seed measurement (1.26 GiB besides weights and KV at chunk 512, +0.7 GiB "
-        "at chunk 2048); usable VRAM: the article's 31.4 GiB of a 32,607 MiB card, same margin "
-        "for others."
+        "- allowance: the article's measurement (1.26 GiB besides weights and KV at chunk 512, "
+        "+0.7 GiB at chunk 2048); usable VRAM: the article's 31.4 GiB of a 32,607 MiB card, "
+        "same margin for others."
     )
     return "\n".join(lines) + "\n"
 

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Prefill staging of one-table layers (offload-03, VLLM_EXPERT_PREFILL_STAGING) on the CPU:
 the series' OneTableStaging and vmm.AliasRange against the fake CUDA driver of
-test_vmm_driver_calls.py. Checks the second range each staged weight gets (the table's own
-VRAM part, then the slot of the layer's parity), slots that grow to the largest host part,
-a refused mapping that turns staging off and leaves nothing behind, the copies (each
-weight's host rows into its slot), and that a swap decision makes the next prefill copy
-again. That the kernel reads the same bytes through the second range needs a GPU
-(tests/gpu/test_prefill_staging_one_table_gpu.py).
+test_vmm_driver_calls.py (the `fake` fixture, conftest.py). Checks the second range each
+staged weight gets (the table's own VRAM part, then the slot of the layer's parity), slots
+that grow to the largest host part, a refused mapping that turns staging off and leaves
+nothing behind, the copies (each weight's host rows into its slot), and that a swap
+decision makes the next prefill copy again. That the kernel reads the same bytes through
+the second range needs a GPU (tests/gpu/test_prefill_staging_one_table_gpu.py).
 
     scripts/test tests/cpu/test_prefill_staging_one_table.py
 """
@@ -18,20 +18,11 @@ import types
 import pytest
 import torch
 from test_prefill_staging import Recorder
-from test_vmm_driver_calls import GRAN, FakeDriver, MiB
+from test_vmm_driver_calls import GRAN, MiB
 from vllm.model_executor.layers.fused_moe.expert_offload import vmm
 
 DEVICE = 0
 W13_ROW, W2_ROW = 3 * MiB + 4096, 1536 * 1024  # bytes of one expert's row in each table
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    drv = FakeDriver()
-    monkeypatch.setattr(vmm, "_driver_module", drv)
-    monkeypatch.setattr(vmm, "FAIL_AT", set())
-    monkeypatch.delenv(vmm.FAIL_AT_ENV, raising=False)
-    return drv
 
 
 @pytest.fixture

@@ -220,15 +220,6 @@ class FakeDriver:
         assert sorted(self.released) == sorted(self.created)
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    drv = FakeDriver()
-    monkeypatch.setattr(vmm, "_driver_module", drv)
-    monkeypatch.setattr(vmm, "FAIL_AT", set())
-    monkeypatch.delenv(vmm.FAIL_AT_ENV, raising=False)
-    return drv
-
-
 def _round_up(n, m):
     return -(-n // m) * m
 

@@ -20,8 +20,10 @@
 #   prefill    offload-02 with and without prefill staging (VLLM_EXPERT_PREFILL_STAGING) beside
 #              unpatched at 10% and 40% host on the 16-layer model: TTFT 2k/8k, decode
 #   table24    the reference table on a 24-layer model (a 2x32GB stage's layers at the target
-#              geometry): unpatched, offload-02, offload-03, offload-03-swap, --cpu-offload-gb
-#              at 10% host, TTFT 2k/8k/32k; two configurations beside each unpatched engine
+#              geometry): unpatched, offload-03-swap, offload-02 (each with and without
+#              prefill staging), offload-03, --cpu-offload-gb at 10% host, TTFT 2k/8k/32k
+#              against its bound, 1, 4 and 16 streams; two configurations beside each
+#              unpatched engine
 #   sweep24    offload-03-swap against --cpu-offload-gb at 5, 20 and 40% host, 24 layers
 #   prefill8k  prefill's parts again with 8192-token prefill chunks (one copy of the host
 #              experts per 8k prompt instead of four), and offload-03-swap with and without
@@ -57,7 +59,7 @@ M=${EO_GPU_WORK:-/tmp/eo-gpu}/models
 T=tests/gpu/test_offload_correctness.py
 # the 16-layer model at about 10% of routed experts on host
 HOST10=(--model "$M/target-int4-16l" --host-experts-per-layer 51)
-RUN=(--decode-tokens 128 --repeats 3 --host-read-us 55.5)
+RUN=(--decode-tokens 128 --repeats 3 --host-read-us 55.5 --copy-gbps 55.3)
 
 # the patched copy of vLLM (made once, before any engine needs it)
 patched() {
@@ -122,7 +124,7 @@ run_part() {
       ;;
     table24)
       model24 || return 1
-      part table24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --host-layers 0,1,2 --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb --group 2 --ttft-32k ${RUN[*]} --out OUT/table24.json"
+      part table24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap,offload-03-swap+stage,offload-02,offload-02+stage,offload-03,cpu-offload-gb --group 2 --ttft-32k --streams 1,4,16 ${RUN[*]} --out OUT/table24.json"
       ;;
     sweep24)
       model24 || return 1

@@ -41,6 +41,7 @@ from eotools.selection import expert_bytes
 
 from . import bench_streams
 from . import gpu_harness as gh
+from .bench import prefill_bound
 from .bench.configs import parse_spec
 from .bench.sweep import plot_sweep, sweep_lines
 from .bench.uva_budget import budget_for, offload_boundaries
@@ -139,6 +140,14 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
         help="measured cost of one host-resident expert read in microseconds "
         "(scripts/bench-host-read, K=1 median): adds each configuration's physical bound, "
         "unpatched TPOT + host reads per token x this cost",
+    )
+    ap.add_argument(
+        "--copy-gbps",
+        type=float,
+        default=None,
+        help="measured pinned-host-to-VRAM copy bandwidth in GB/s (55.3 on the H200 "
+        "reference host): adds each configuration's TTFT bound, the larger of unpatched "
+        "TTFT and its host expert bytes once per prefill chunk at this bandwidth",
     )
     ap.add_argument(
         "--configs",
@@ -608,6 +617,7 @@ def _keep_member(
     plan, name, per_layer, placed = suite.plan, m["name"], m["per_layer"], m["placed"]
     if base_res is not None:
         res["paired_base"] = base_res
+    res.setdefault("engine_args", m["run_config"]["engine"])
     mem = res["memory"]
     if name.startswith("offload-0") and name != "offload-01":
         suite.host_bytes.setdefault(per_layer, mem["expert_host_bytes"])
@@ -719,6 +729,7 @@ def result_doc(
         "rounds": args.rounds,
         # the hosts the engines ran on (CPU, driver, PCIe link, clocks), where recorded
         "machines": _machines(results),
+        "copy_gbps": args.copy_gbps,
         "runs": collect_runs(results, specs, collected.unit_bases, args.rounds, args.host_read_us),
         # the decide kernel alone, inside one engine (--decide-ab): TPOT ratio per pair
         "decide_ab": {
@@ -737,6 +748,7 @@ def result_doc(
         "not_run": collected.not_run,
         "failed": collected.failed,
     }
+    prefill_bound.annotate(doc["runs"], args.copy_gbps)
     if earlier is not None:
         doc["reproduction"] = {
             "against": str(args.compare_with),
@@ -799,7 +811,9 @@ def _from_runs(folder: pathlib.Path, label: str) -> dict | None:
     stem = pattern.fullmatch(found[0].name).group(1)
     for c in (folder / f"{stem}.config.json", folder / f"{stem}.config.json.gz"):
         if c.exists():
-            res["ran_model"] = pathlib.Path(json.loads(_read_maybe_gzip(c))["model"]).name
+            config = json.loads(_read_maybe_gzip(c))
+            res["ran_model"] = pathlib.Path(config["model"]).name
+            res["engine_args"] = config.get("engine")
             break
     return res
 
@@ -1095,6 +1109,7 @@ def _run_row(
             np.median(dec["decode_tok_s"]) / np.median(ref["decode_tok_s"]) if ref else None
         ),
         **_repeat_ratios(dec["decode_tok_s"], ref["decode_tok_s"] if ref else None),
+        **prefill_bound.row_fields(res, base),
         "census_vs_unpatched": census_diff(
             mem.get("census"), base["memory"].get("census") if base else None
         ),
@@ -1547,6 +1562,7 @@ def markdown(doc: dict) -> str:
             + ", ".join(f"{n} {v:.3f} ms" for n, v in p50.items())
             + ".",
         ]
+    lines += prefill_bound.lines(doc)
     lines += sweep_lines(doc)
     lines += bench_streams.lines(doc)
     lines += baseline_lines(doc)

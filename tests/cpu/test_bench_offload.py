@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -902,3 +903,60 @@ def test_vram_saved_against_the_host_bytes():
         "The worst segment, 20,971,520 B, has 18,350,080 B free beside "
         "model.layers.3.mlp.gate.weight (2,621,440 B)."
     )
+
+
+def test_ttft_bound_is_the_unpatched_prefill_or_the_host_copy_whichever_is_larger():
+    """--copy-gbps: a prompt's bound is unpatched TTFT, or every host expert's bytes once per
+    prefill chunk at the copy bandwidth where that is longer (40% of the experts on host)."""
+    from eodev.bench import prefill_bound
+
+    row = {
+        "config": "offload-02",
+        "workload": "fresh",
+        "expert_host_gib": 4.0,
+        "prefill_chunk_tokens": 2048,
+        "ttft_prompt_tokens": {"2k": 2048, "8k": 8192},
+        "ttft_unpatched_ms": {"2k": 100.0, "8k": 300.0},
+        "ttft_2k_ms": [80.0, 90.0, 120.0],
+        "ttft_8k_ms": [500.0, 520.0, 510.0],
+    }
+    got = prefill_bound.bounds(row, 55.3)
+    one_copy = 4 * 2**30 / 55.3e9 * 1e3  # 77.7 ms
+    assert got["2k"]["bound_ms"] == 100.0  # unpatched is longer than one copy
+    assert got["2k"]["vs_bound"] == pytest.approx(0.9)
+    assert got["8k"]["copy_ms"] == pytest.approx(4 * one_copy)
+    assert got["8k"]["bound_ms"] == pytest.approx(4 * one_copy)  # four chunks' copies
+    assert got["8k"]["vs_bound"] == pytest.approx(510 / (4 * one_copy))
+    assert got["8k"]["vs_unpatched"] == pytest.approx(510 / 300)
+    # one chunk for the whole prompt: one copy, and the bound is unpatched again
+    assert (
+        prefill_bound.bounds({**row, "prefill_chunk_tokens": 8192}, 55.3)["8k"]["bound_ms"] == 300
+    )
+    assert prefill_bound.bounds({**row, "prefill_chunk_tokens": None}, 55.3) == {}
+
+
+def test_the_report_sets_each_ttft_beside_its_bound(report, repo_root, tmp_path):
+    """The committed 8-layer runs with --copy-gbps: the chunk comes from each engine's own
+    recorded settings, the unpatched TTFT from its run's unpatched engine."""
+    out = tmp_path / "bound.json"
+    args = ["--ran-as", "x", "--ran-at", "y", "--copy-gbps", "55.3"]
+    subprocess.run(
+        from_runs_cmd(repo_root, tmp_path, repo_root / RAW, out, *args),
+        check=True,
+        capture_output=True,
+        cwd=repo_root,
+    )
+    doc = json.loads(out.read_text())
+    runs = {r["config"]: r for r in doc["runs"]}
+    o2 = runs["offload-02"]
+    assert o2["prefill_chunk_tokens"] == 2048
+    b = o2["ttft_vs_bound"]["8k"]
+    ref = statistics.median(runs["unpatched"]["ttft_8k_ms"])
+    copy = 4 * o2["expert_host_gib"] * 2**30 / 55.3e9 * 1e3
+    assert b["bound_ms"] == pytest.approx(max(ref, copy))
+    assert b["vs_bound"] == pytest.approx(statistics.median(o2["ttft_8k_ms"]) / max(ref, copy))
+    assert "ttft_vs_bound" not in runs["unpatched"]
+    md = out.with_suffix(".md").read_text()
+    assert "Time to first token against its bound (copy bandwidth 55.3 GB/s" in md
+    assert f"| offload-02 | {o2['expert_host_gib']:.2f} | 2048 |" in md
+    assert "ttft_vs_bound" not in report[0]["runs"][1]  # without --copy-gbps, no bound

@@ -250,9 +250,10 @@ def _tensor_census(model, device_type: str, top: int, holders: int) -> dict[str,
     import torch
 
     weights = _model_storages(model)
+    aliases = _alias_ranges()
     seen: set[int] = set()
     groups: dict[tuple[tuple[int, ...], str], dict[str, Any]] = {}
-    other = 0
+    other = aliased = 0
     for obj in gc.get_objects():
         try:
             # type(), not isinstance(): some objects answer __class__ with a warning
@@ -266,6 +267,9 @@ def _tensor_census(model, device_type: str, top: int, holders: int) -> dict[str,
         if not ptr or ptr in weights or ptr in seen:
             continue
         seen.add(ptr)
+        if any(lo <= ptr < hi for lo, hi in aliases):
+            aliased += storage.nbytes()  # a second address of memory counted elsewhere
+            continue
         key = (tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
         g = groups.setdefault(key, {"count": 0, "bytes": 0, "sample": obj})
         g["count"] += 1
@@ -279,7 +283,25 @@ def _tensor_census(model, device_type: str, top: int, holders: int) -> dict[str,
         # each holder lookup scans every object of the process (seconds in an engine)
         held_by = _holders(sample) if n < holders else []
         rows.append({"shape": list(shape), "dtype": dtype, **g, "held_by": held_by})
-    return {"weight_storages": len(weights), "other_bytes": other, "top": rows}
+    return {
+        "weight_storages": len(weights),
+        "other_bytes": other,
+        "alias_bytes": aliased,
+        "top": rows,
+    }
+
+
+def _alias_ranges() -> list[tuple[int, int]]:
+    """The address ranges of expert offload's alias ranges (prefill staging of one-table
+    layers): second addresses of VRAM that the table and the staging slots own, whose
+    tensors the census must not count again."""
+    import gc
+
+    return [
+        (o.ptr, o.ptr + o.size)
+        for o in gc.get_objects()
+        if type(o).__name__ == "AliasRange" and getattr(o, "ptr", 0)
+    ]
 
 
 # EO_ALLOC_HISTORY=1: record where each CUDA allocation is made from engine start-up on
@@ -653,16 +675,20 @@ def _streams(llm, task: dict) -> dict:
 def _ttft(llm, task: dict) -> dict:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-    times = []
+    # the first token and its logprob: what the prefill computed, compared across engines
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, logprobs=0)
+    times, first = [], []
     for rep in range(1 + task.get("repeats", 3)):
         # a different first token each time defeats prefix caching
         prompt = [task["prompt"][(rep + 1) % len(task["prompt"])]] + task["prompt"][1:]
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         if rep:
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"ttft_ms": times, "prompt_tokens": len(task["prompt"])}
+        seq = out.outputs[0]
+        token = seq.token_ids[0]
+        first.append({"token_id": token, "logprob": seq.logprobs[0][token].logprob})
+    return {"ttft_ms": times, "prompt_tokens": len(task["prompt"]), "first_tokens": first}
 
 
 def _set_swap(overrides: dict[str, Any] | None):

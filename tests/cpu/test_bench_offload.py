@@ -712,6 +712,23 @@ def test_the_report_flags_an_unpatched_engine_far_from_the_others():
     assert bench_offload.baseline_lines({"runs": row(None, [1.0], [1.0])}) == []
 
 
+def test_the_census_difference_leaves_out_alias_ranges():
+    """Runs made before the probe left alias ranges out list one-table staging's second
+    address of the table's VRAM as tensors (30 GB on a 24-layer model, 2026-12-03): the
+    report leaves such groups out of the difference; the slots' real VRAM stays."""
+    from eodev import bench_offload
+
+    alias = {"shape": [838860800], "dtype": "uint8", "count": 24, "bytes": 24 * 838860800}
+    alias["held_by"] = ["AliasRange._base"]
+    slot = {"shape": [88080384], "dtype": "uint8", "count": 2, "bytes": 2 * 88080384}
+    slot["held_by"] = ["SplitTable._base"]
+    base = {"other_bytes": 1000, "top": []}
+    mine = {"other_bytes": 1000 + alias["bytes"] + slot["bytes"], "top": [alias, slot]}
+    diff = bench_offload.census_diff(mine, base)
+    assert diff["extra"] == [slot]
+    assert diff["other_bytes_delta"] == slot["bytes"]
+
+
 def test_the_report_names_what_an_engine_holds_beside_its_weights():
     """From the probe's census of both engines: the extra bytes of a configuration over its
     unpatched engine, and the tensor groups it holds more of (the 72 MB that
@@ -960,3 +977,55 @@ def test_the_report_sets_each_ttft_beside_its_bound(report, repo_root, tmp_path)
     assert "Time to first token against its bound (copy bandwidth 55.3 GB/s" in md
     assert f"| offload-02 | {o2['expert_host_gib']:.2f} | 2048 |" in md
     assert "ttft_vs_bound" not in report[0]["runs"][1]  # without --copy-gbps, no bound
+
+
+def test_ttft_keeps_each_first_token_and_the_report_compares_them(monkeypatch):
+    """The TTFT task keeps the first token of every repeat with its logprob (prefill
+    staging changes what a long prompt's prefill reads, and the short decode prompts never
+    stage); the report counts them against the unpatched engine's."""
+    import types
+
+    from eodev import bench_offload, engine_probe
+
+    class LLM:
+        def __init__(self, first: int, lp: float):
+            self.first, self.lp, self.prompts = first, lp, []
+
+        def generate(self, prompts, params, use_tqdm):
+            assert params.max_tokens == 1 and params.logprobs == 0
+            ids = prompts[0]["prompt_token_ids"]
+            self.prompts.append(ids)
+            token = self.first + ids[0]
+            lp = {token: types.SimpleNamespace(logprob=self.lp)}
+            seq = types.SimpleNamespace(token_ids=[token], logprobs=[lp])
+            return [types.SimpleNamespace(outputs=[seq])]
+
+    sampling = types.SimpleNamespace(SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
+    monkeypatch.setitem(sys.modules, "vllm", sampling)
+    task = {"prompt": [5, 6, 7, 8], "repeats": 2}
+    ref = engine_probe._ttft(LLM(100, -0.5), task)
+    assert len(ref["ttft_ms"]) == 2 and ref["prompt_tokens"] == 4
+    # warm-up and two repeats, each prompt starting with another token
+    assert [f["token_id"] for f in ref["first_tokens"]] == [106, 107, 108]
+    same = engine_probe._ttft(LLM(100, -0.75), task)
+    other = engine_probe._ttft(LLM(101, -0.5), task)
+
+    def run(t):
+        return {"tasks": {"ttft_8k": t, "fresh": {}}}
+
+    base = run(ref)
+    assert bench_offload.prefill_agreement(run(same), base) == {
+        "ttft_first_tokens_identical_to_unpatched": "3/3",
+        "ttft_first_logprob_max_abs_diff": 0.25,
+    }
+    got = bench_offload.prefill_agreement(run(other), base)
+    assert got["ttft_first_tokens_identical_to_unpatched"] == "0/3"
+    old = {"ttft_ms": [1.0], "prompt_tokens": 4}  # a run made before first tokens were kept
+    assert bench_offload.prefill_agreement(run(old), base) == {}
+    assert bench_offload.prefill_agreement(base, base) == {}
+    rows = [
+        {"config": "offload-03-swap", "workload": "fresh", "variant": "offload-03-swap+stage"},
+    ]
+    rows[0].update(bench_offload.prefill_agreement(run(same), base))
+    (line,) = [x for x in bench_offload.prefill_agreement_lines({"runs": rows}) if x]
+    assert line.endswith("offload-03-swap+stage 3/3 (logprob max |diff| 0.2500).")

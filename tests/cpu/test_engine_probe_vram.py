@@ -485,3 +485,23 @@ def test_one_allocator_snapshot_gives_the_weight_blocks_and_the_sites(monkeypatc
     out = engine_probe._allocator_view(model, sites=True)
     assert calls == ["snapshot", {"enabled": None}]
     assert out["alloc_sites"]["other_bytes"] == 100
+
+
+def test_census_leaves_out_the_second_address_of_an_alias_range():
+    """Prefill staging maps a one-table layer's VRAM a second time (vmm.AliasRange): a
+    tensor over that range is no memory of its own. An H200 census counted 30 GB of
+    them on a 24-layer model whose process VRAM grew by the 0.25 GB of its slots."""
+    import torch
+
+    class AliasRange:  # the probe knows it by name, as in an engine
+        def __init__(self, t):
+            self.ptr, self.size = t.data_ptr(), t.untyped_storage().nbytes()
+            self._base = t
+
+    second = AliasRange(torch.zeros(4133, dtype=torch.int16))
+    slot = torch.zeros(4139, dtype=torch.int16)  # real memory: still counted
+    out = engine_probe.tensor_census(torch.nn.Linear(2, 2), device_type="cpu", top=1000, holders=0)
+    shapes = [r["shape"] for r in out["top"]]
+    assert [4139] in shapes and [4133] not in shapes
+    assert out["alias_bytes"] == 4133 * 2
+    del second, slot

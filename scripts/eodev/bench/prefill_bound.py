@@ -111,3 +111,35 @@ def lines(doc: dict) -> list[str]:
             f"{r['prefill_chunk_tokens']} | " + " | ".join(cells) + " |"
         )
     return out
+
+
+def plot(doc: dict, path) -> bool:
+    """TTFT against unpatched per prompt length, one bar per configuration, with each
+    bound as a tick. False (nothing written) without bounds."""
+    rows = [r for r in doc["runs"] if r.get("ttft_vs_bound")]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [n for n in LENGTHS if any(n in r["ttft_vs_bound"] for r in rows)]
+    width = 0.8 / len(rows)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for k, r in enumerate(rows):
+        xs = [i + (k - (len(rows) - 1) / 2) * width for i in range(len(lengths))]
+        got = [r["ttft_vs_bound"].get(n) for n in lengths]
+        ratios = [b["vs_unpatched"] if b else 0.0 for b in got]
+        ax.bar(xs, ratios, width, label=r.get("variant", r["config"]))
+        bounds = [b["bound_ms"] / b["ttft_ms"] * b["vs_unpatched"] if b else 0 for b in got]
+        ax.plot(xs, bounds, "k_", markersize=14)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(lengths)), [f"{n} prompt" for n in lengths])
+    ax.set_ylabel("TTFT / unpatched TTFT (median)")
+    ax.set_title(f"Time to first token; black ticks: bound at {doc['copy_gbps']} GB/s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

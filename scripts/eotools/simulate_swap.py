@@ -16,12 +16,16 @@ import numpy as np
 
 from .coldcheck import REMAKE, ColdFileError, load_cold_file
 from .devtools import DevToolsMissing, dev_module
-from .swap_policy import SwapPolicy, simulate
+from .swap_policy import SwapPolicy, hindsight_host, simulate, simulate_steps
 
 EPILOG = """Picks come from a recorded file (--picks: .npy or .npz array 'picks' of shape
 (decode tokens, layers, top_k), in order; a serving trace, VLLM_EXPERT_COUNT_TRACE_TOKENS, also
 names its layers in 'layers') or, for a make-test-model checkpoint, from its
-planted routers over conversations that stay in one domain (--model with --domain).
+planted routers over conversations that stay in one domain (--model with --domain), or over
+N streams of mixed domains decoded together, as bench-offload --streams runs them (--model
+with --streams N: a warm-up batch and --batches more, each of N new prompts; a step reads a
+host expert once however many of its streams picked it, and the table adds the fixed
+placement that the run picks least, known afterwards, as the floor).
 
 exit codes: 0 done; 1 bad input; 2 usage."""
 
@@ -65,6 +69,14 @@ def parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="with --model: simulate conversations of this domain (repeat)",
+    )
+    ap.add_argument(
+        "--streams",
+        type=int,
+        help="with --model: N streams of mixed domains decoded together (see below)",
+    )
+    ap.add_argument(
+        "--batches", type=int, default=3, help="with --streams: batches after the warm-up"
     )
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--words", type=int, default=256)
@@ -166,6 +178,68 @@ def synthetic_workloads(args: argparse.Namespace) -> dict[str, np.ndarray]:
         raise BadInput(str(e)) from e
 
 
+def stream_steps(args: argparse.Namespace) -> np.ndarray:
+    """Decode steps (steps, streams, layers, top_k) of bench-offload's many-streams
+    workload on a make-test-model checkpoint: batches of --streams new prompts of mixed
+    domains, each decoded greedily for --decode-tokens tokens."""
+    try:
+        data = dev_module("testmodel.data", "--model with --streams")
+        plan = dev_module("testmodel.plant", "--model with --streams").load_plan(args.model)
+        streams = dev_module("bench_streams", "--model with --streams")
+    except DevToolsMissing as e:
+        raise BadInput(str(e)) from e
+    n, out = args.streams, []
+    prompts = streams.prompts(plan, n * (1 + args.batches))
+    for b in range(1 + args.batches):
+        batch = []
+        for prompt in prompts[b * n : (b + 1) * n]:
+            decoded = data.greedy_continuation(plan, tuple(prompt), args.decode_tokens)
+            seq = np.array(prompt + decoded)
+            layers = range(plan.geometry.num_layers)
+            picks = [plan.router_topk(layer, seq[:-1])[len(prompt) :] for layer in layers]
+            batch.append(np.stack(picks, axis=1))  # (decode steps, layers, top_k)
+        out.append(np.stack(batch, axis=1))
+    return np.concatenate(out)
+
+
+def run_streams(
+    steps: np.ndarray,
+    layers: int,
+    experts: int,
+    host: dict[int, list[int]],
+    swap_policies: list[SwapPolicy],
+) -> list[dict]:
+    """The many-streams workload through the fixed cold set, each policy and the hindsight
+    placement; a table row per run, the rows for --json."""
+    n = steps.shape[1]
+    print(f"{n} streams, {steps.shape[0]} decode steps")
+    print(f"{'placement':<30} {'reads/token':>11} {'reads/step':>10} {'swaps/token':>11}")
+    runs = [("fixed cold set", None, host), *((None, p, host) for p in swap_policies)]
+    runs.append(("hindsight fixed placement", None, hindsight_host(steps, experts, host)))
+    results = []
+    for label, policy, start in runs:
+        r = simulate_steps(iter(steps), layers, experts, start, policy)
+        if policy is not None:
+            label = f"swap {policy.interval}/{policy.half_life:g}/{policy.margin:g}"
+        print(
+            f"{label:<30} {r.reads_per_token:>11.3f} {r.reads_per_step:>10.2f} "
+            f"{r.swaps_per_token:>11.4f}"
+        )
+        results.append(
+            {
+                "workload": f"{n} streams",
+                "placement": label,
+                "policy": None if policy is None else policy.__dict__,
+                "tokens": r.tokens,
+                "steps": r.steps,
+                "reads_per_token": r.reads_per_token,
+                "reads_per_step": r.reads_per_step,
+                "swaps_per_token": r.swaps_per_token,
+            }
+        )
+    return results
+
+
 def policies(args: argparse.Namespace) -> list[SwapPolicy]:
     """The policy of the command line, then (--sweep) every other one of the grid."""
     chosen = [SwapPolicy(args.interval, args.half_life, args.margin)]
@@ -220,16 +294,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         host, layers, experts = load_host_experts(args)
+        steps = workloads = None
         if args.picks:
             workloads, host, layers = recorded_workload(args.picks, host, layers, experts)
+        elif args.model and args.streams:
+            if args.streams < 1 or args.batches < 1:
+                raise BadInput("--streams and --batches must be at least 1")
+            steps = stream_steps(args)
         elif args.model and args.domain:
             workloads = synthetic_workloads(args)
         else:
-            raise BadInput("give --picks, or --model with --domain")
+            raise BadInput("give --picks, or --model with --domain or --streams")
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    results = run_policies(workloads, layers, experts, host, policies(args))
+    if steps is not None:
+        results = run_streams(steps, layers, experts, host, policies(args))
+    else:
+        results = run_policies(workloads, layers, experts, host, policies(args))
     if args.json:
         args.json.write_text(
             json.dumps({"cold": str(args.cold), "results": results}, indent=1) + "\n"

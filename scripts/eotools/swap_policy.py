@@ -77,6 +77,11 @@ class SimulationResult:
     tokens: int
     host_reads: int
     swaps: int
+    steps: int = 0  # decode steps (batches); 0: one token per step
+
+    @property
+    def reads_per_step(self) -> float:
+        return self.host_reads / max(self.steps or self.tokens, 1)
 
     @property
     def reads_per_token(self) -> float:
@@ -112,3 +117,44 @@ def simulate(
         if state.steps % policy.interval == 0:
             swaps += len(state.decide(policy))
     return SimulationResult(tokens, reads, swaps)
+
+
+def simulate_steps(
+    steps: Iterable[np.ndarray],
+    num_layers: int,
+    num_experts: int,
+    host: dict[int, Iterable[int]],
+    policy: SwapPolicy | None,
+) -> SimulationResult:
+    """Replay decode steps of several streams decoded together (each step (streams,
+    layers, top_k)): a step reads each host expert its batch picks once per layer, however
+    many of its tokens picked it, as the kernel does; every pick counts, and decisions
+    come every `interval` steps."""
+    state = SwapState(num_layers, num_experts, host)
+    tokens = reads = swaps = n = 0
+    for step in steps:
+        for layer in range(num_layers):
+            reads += int(state.on_host[layer, np.unique(step[:, layer, :])].sum())
+        tokens += step.shape[0]
+        n += 1
+        if policy is None:
+            continue
+        for picks in step:
+            state.observe(picks)
+        state.steps = n
+        if n % policy.interval == 0:
+            swaps += len(state.decide(policy))
+    return SimulationResult(tokens, reads, swaps, n)
+
+
+def hindsight_host(
+    steps: np.ndarray, num_experts: int, host: dict[int, Iterable[int]]
+) -> dict[int, list[int]]:
+    """The fixed placement with each layer's host count that the whole run (steps,
+    streams, layers, top_k) picks least: the best any fixed cold set could do on it,
+    known only afterwards, and the floor the swap is measured against."""
+    out = {}
+    for layer, ids in host.items():
+        counts = np.bincount(steps[:, :, layer, :].ravel(), minlength=num_experts)
+        out[layer] = sorted(int(e) for e in np.argsort(counts, kind="stable")[: len(list(ids))])
+    return out

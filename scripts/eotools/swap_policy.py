@@ -105,18 +105,10 @@ def simulate(
     policy: SwapPolicy | None,
 ) -> SimulationResult:
     """Replay per-token picks (each (layers, top_k), decode steps in order) through a fixed
-    cold set (policy None) or the runtime swap."""
-    state = SwapState(num_layers, num_experts, host)
-    tokens = reads = swaps = 0
-    for picks in decode_picks:
-        reads += state.host_reads(picks)
-        tokens += 1
-        if policy is None:
-            continue
-        state.observe(picks)
-        if state.steps % policy.interval == 0:
-            swaps += len(state.decide(policy))
-    return SimulationResult(tokens, reads, swaps)
+    cold set (policy None) or the runtime swap: one stream, a token per step."""
+    steps = (picks[None] for picks in decode_picks)
+    r = simulate_steps(steps, num_layers, num_experts, host, policy)
+    return SimulationResult(r.tokens, r.host_reads, r.swaps)
 
 
 def simulate_steps(

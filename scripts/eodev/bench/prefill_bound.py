@@ -124,6 +124,8 @@ def plot(doc: dict, path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .report import save_figure
+
     lengths = [n for n in LENGTHS if any(n in r["ttft_vs_bound"] for r in rows)]
     width = 0.8 / len(rows)
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -139,7 +141,5 @@ def plot(doc: dict, path) -> bool:
     ax.set_ylabel("TTFT / unpatched TTFT (median)")
     ax.set_title(f"Time to first token; black ticks: bound at {doc['copy_gbps']} GB/s")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return True

@@ -194,6 +194,15 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def save_figure(fig, path: pathlib.Path, dpi: int = 100) -> None:
+    """Lay out, write and close a report's figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def plot(doc: dict, path: pathlib.Path) -> None:
     """Decode tok/s (median, whiskers min-max over repeats) and TTFT p50 of every run."""
     import matplotlib
@@ -225,9 +234,7 @@ def plot(doc: dict, path: pathlib.Path) -> None:
     b.set_ylabel("TTFT p50 ms")
     b.set_xticks(list(x))
     b.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def dumps(doc: object, indent: int = 0) -> str:

@@ -89,6 +89,8 @@ def plot_sweep(doc: dict, path: pathlib.Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .report import save_figure
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (config, workload), pts in sorted(points.items()):
         x = [p["host_fraction"] for p in pts]
@@ -113,7 +115,5 @@ def plot_sweep(doc: dict, path: pathlib.Path) -> bool:
     ax.set_ylim(bottom=0)
     ax.set_title(f"host-fraction sweep, {doc['gpu']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
     return True

@@ -3,7 +3,8 @@
 at the layer: two split layers merged into one table each, as vLLM's loader makes them. A
 prefill-sized call runs the same kernel on a second VMM range per weight (the table's VRAM,
 then a VRAM slot holding a copy of the host rows), so its output must be the unstaged call's
-bit for bit, on Marlin (INT4) and Triton (BF16), layer after layer and again when the slots
+bit for bit (where the kernel itself repeats bit for bit; else within its own run-to-run
+difference), on Marlin (INT4) and Triton (BF16), layer after layer and again when the slots
 already hold the layers. Rows that change in host memory (what a swap does) are read stale
 from a slot until a swap decision says so, then copied again.
 
@@ -47,6 +48,16 @@ def _fresh_layers(vllm_context):
     _forget_layers()
     swap_runtime.reset_runtime()
     prefill_staging.reset()
+
+
+def _same(out, ref, own: float) -> bool:
+    """The staged output is the unstaged one: bit for bit where the kernel repeats itself
+    bit for bit, else within its own run-to-run difference or half a BF16 step at the
+    output's scale (a stale or half-copied row is off by the output's own size)."""
+    if own == 0:
+        return torch.equal(out, ref)
+    diff = (out.float() - ref.float()).abs().max().item()
+    return diff <= max(own, ref.abs().max().item() * 2**-8)
 
 
 def _where(out, ref, ids, module) -> str:
@@ -122,8 +133,9 @@ def test_staged_one_table_layers_give_the_unstaged_bits(
                     f"unstaged max|diff| {diff:.3g} ({_where(out, ref, ids, module)}); "
                     f"unstaged twice {own:.3g}; copies {staging.copies - before}"
                 )
-                assert own == 0, f"the unstaged kernel alone differs by {own:.3g}"
-                assert torch.equal(out, ref), f"staged differs by {diff:.3g}"
+                assert _same(out, ref, own), (
+                    f"staged differs by {diff:.3g}, the kernel from itself by {own:.3g}"
+                )
                 if tokens < MIN_TOKENS:
                     assert staging.copies == before  # decode-sized: not staged
     assert staging.copies >= 2
@@ -143,12 +155,13 @@ def test_staged_one_table_layers_give_the_unstaged_bits(
     x, w, ids = inputs(1024, 99)
     ids[:, 0] = expert  # every token reads the changed row
     ref = _unstaged(vllm_context, module, x, w, ids)
+    own = (_unstaged(vllm_context, module, x, w, ids).float() - ref.float()).abs().max().item()
     stale = _forward(vllm_context, module, x, w, ids)
     torch.cuda.synchronize()
-    assert not torch.equal(stale, ref), "the slot did not hold the old row"
+    assert not _same(stale, ref, own), "the slot did not hold the old row"
     runtime = types.SimpleNamespace(decisions=1)
     monkeypatch.setattr(swap_runtime, "get_runtime", lambda: runtime)
     fresh = _forward(vllm_context, module, x, w, ids)
     torch.cuda.synchronize()
-    assert torch.equal(fresh, ref), "a swap decision did not make staging copy again"
+    assert _same(fresh, ref, own), "a swap decision did not make staging copy again"
     prefill_staging.reset()

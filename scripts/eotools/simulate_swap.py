@@ -86,6 +86,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--half-life", type=float, default=512.0)
     ap.add_argument("--margin", type=float, default=2.0)
     ap.add_argument(
+        "--max-swaps",
+        type=int,
+        default=1,
+        help="what-if: experts traded per layer per decision (the runtime trades 1)",
+    )
+    ap.add_argument(
+        "--count-prompts",
+        action="store_true",
+        help="what-if, with --streams: the swap also counts each batch's prompt picks "
+        "(the runtime counts decode picks only)",
+    )
+    ap.add_argument(
         "--sweep",
         action="store_true",
         help="also try intervals 4,8,16 x half-lives 128,512,2048 x margins 1,2,4",
@@ -178,28 +190,32 @@ def synthetic_workloads(args: argparse.Namespace) -> dict[str, np.ndarray]:
         raise BadInput(str(e)) from e
 
 
-def stream_steps(args: argparse.Namespace) -> np.ndarray:
+def stream_steps(args: argparse.Namespace) -> tuple[np.ndarray, dict[int, np.ndarray]]:
     """Decode steps (steps, streams, layers, top_k) of bench-offload's many-streams
     workload on a make-test-model checkpoint: batches of --streams new prompts of mixed
-    domains, each decoded greedily for --decode-tokens tokens."""
+    domains, each decoded greedily for --decode-tokens tokens; and the picks of each
+    batch's prompts (tokens, layers, top_k) by the step its batch starts at."""
     try:
         data = dev_module("testmodel.data", "--model with --streams")
         plan = dev_module("testmodel.plant", "--model with --streams").load_plan(args.model)
         streams = dev_module("bench_streams", "--model with --streams")
     except DevToolsMissing as e:
         raise BadInput(str(e)) from e
-    n, out = args.streams, []
+    n, out, prefilled, at = args.streams, [], {}, 0
     prompts = streams.prompts(plan, n * (1 + args.batches))
     for b in range(1 + args.batches):
-        batch = []
+        batch, prompt_picks = [], []
         for prompt in prompts[b * n : (b + 1) * n]:
             decoded = data.greedy_continuation(plan, tuple(prompt), args.decode_tokens)
             seq = np.array(prompt + decoded)
             layers = range(plan.geometry.num_layers)
-            picks = [plan.router_topk(layer, seq[:-1])[len(prompt) :] for layer in layers]
-            batch.append(np.stack(picks, axis=1))  # (decode steps, layers, top_k)
+            picks = np.stack([plan.router_topk(layer, seq[:-1]) for layer in layers], axis=1)
+            prompt_picks.append(picks[: len(prompt)])
+            batch.append(picks[len(prompt) :])  # (decode steps, layers, top_k)
         out.append(np.stack(batch, axis=1))
-    return np.concatenate(out)
+        prefilled[at] = np.concatenate(prompt_picks)
+        at += out[-1].shape[0]
+    return np.concatenate(out), prefilled
 
 
 def run_streams(
@@ -208,9 +224,11 @@ def run_streams(
     experts: int,
     host: dict[int, list[int]],
     swap_policies: list[SwapPolicy],
+    prompts: dict[int, np.ndarray] | None = None,
 ) -> list[dict]:
     """The many-streams workload through the fixed cold set, each policy and the hindsight
-    placement; a table row per run, the rows for --json."""
+    placement; a table row per run, the rows for --json. `prompts`: the swap counts the
+    prompts' picks too (what-if)."""
     n = steps.shape[1]
     print(f"{n} streams, {steps.shape[0]} decode steps")
     print(f"{'placement':<30} {'reads/token':>11} {'reads/step':>10} {'swaps/token':>11}")
@@ -218,9 +236,9 @@ def run_streams(
     runs.append(("hindsight fixed placement", None, hindsight_host(steps, experts, host)))
     results = []
     for label, policy, start in runs:
-        r = simulate_steps(iter(steps), layers, experts, start, policy)
+        r = simulate_steps(iter(steps), layers, experts, start, policy, prompts)
         if policy is not None:
-            label = f"swap {policy.interval}/{policy.half_life:g}/{policy.margin:g}"
+            label = _label(policy) + (" +prompts" if prompts else "")
         print(
             f"{label:<30} {r.reads_per_token:>11.3f} {r.reads_per_step:>10.2f} "
             f"{r.swaps_per_token:>11.4f}"
@@ -240,14 +258,20 @@ def run_streams(
     return results
 
 
+def _label(policy: SwapPolicy) -> str:
+    """interval/half-life/margin, and xK where more than one pair swaps per decision."""
+    k = f" x{policy.max_swaps}" if policy.max_swaps > 1 else ""
+    return f"swap {policy.interval}/{policy.half_life:g}/{policy.margin:g}{k}"
+
+
 def policies(args: argparse.Namespace) -> list[SwapPolicy]:
     """The policy of the command line, then (--sweep) every other one of the grid."""
-    chosen = [SwapPolicy(args.interval, args.half_life, args.margin)]
+    chosen = [SwapPolicy(args.interval, args.half_life, args.margin, args.max_swaps)]
     if args.sweep:
         chosen += [
-            SwapPolicy(i, h, m)
+            SwapPolicy(i, h, m, args.max_swaps)
             for i, h, m in itertools.product((4, 8, 16), (128.0, 512.0, 2048.0), (1.0, 2.0, 4.0))
-            if SwapPolicy(i, h, m) != chosen[0]
+            if SwapPolicy(i, h, m, args.max_swaps) != chosen[0]
         ]
     return chosen
 
@@ -269,11 +293,7 @@ def run_policies(
     for name, picks in workloads.items():
         for policy in [None, *swap_policies]:
             r = simulate(iter(picks), layers, experts, host, policy)
-            label = (
-                "fixed cold set"
-                if policy is None
-                else f"swap {policy.interval}/{policy.half_life:g}/{policy.margin:g}"
-            )
+            label = "fixed cold set" if policy is None else _label(policy)
             print(
                 f"{name:<16} {label:<26} {r.reads_per_token:>11.3f} "
                 f"{r.swaps_per_token:>11.4f} {r.read_equivalents_per_token():>16.3f}"
@@ -293,6 +313,8 @@ def run_policies(
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.max_swaps < 1:
+            raise BadInput(f"--max-swaps must be at least 1, not {args.max_swaps}")
         host, layers, experts = load_host_experts(args)
         steps = workloads = None
         if args.picks:
@@ -300,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.model and args.streams:
             if args.streams < 1 or args.batches < 1:
                 raise BadInput("--streams and --batches must be at least 1")
-            steps = stream_steps(args)
+            steps, prefilled = stream_steps(args)
         elif args.model and args.domain:
             workloads = synthetic_workloads(args)
         else:
@@ -309,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if steps is not None:
-        results = run_streams(steps, layers, experts, host, policies(args))
+        prompts = prefilled if args.count_prompts else None
+        results = run_streams(steps, layers, experts, host, policies(args), prompts)
     else:
         results = run_policies(workloads, layers, experts, host, policies(args))
     if args.json:

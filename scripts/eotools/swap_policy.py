@@ -6,7 +6,10 @@ Every decode step adds 1 to the count of each (layer, expert) the router picked.
 used expert held on the host and the least used expert held on the GPU trade places when the
 first's count exceeds the second's by more than `margin`. At most one swap per layer per
 decision. This module is what the decide kernel implements; simulate-swap replays recorded
-picks through it.
+picks through it. Two settings exist here only, for what-if runs of the simulation:
+`max_swaps` (pairs traded per layer per decision, the next most used host expert with the
+next least used GPU expert while the margin holds) and prompt picks counted as decode picks
+are (`simulate_steps(prompts=...)`); the runtime moves one pair and counts decode only.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ class SwapPolicy:
     # swap when host count - GPU count exceeds this; negative: also on equal counts, so every
     # layer swaps at every decision (the stress test of a live server)
     margin: float = 2.0
+    max_swaps: int = 1  # per layer per decision (the runtime's decide kernel: 1)
 
     def __post_init__(self) -> None:
-        if self.interval < 1 or self.half_life <= 0:
-            raise ValueError(f"invalid swap policy {self}: interval >= 1, half_life > 0")
+        if self.interval < 1 or self.half_life <= 0 or self.max_swaps < 1:
+            raise ValueError(
+                f"invalid swap policy {self}: interval >= 1, half_life > 0, max_swaps >= 1"
+            )
 
     @property
     def decay(self) -> float:
@@ -55,18 +61,22 @@ class SwapState:
         self.steps += 1
 
     def decide(self, policy: SwapPolicy) -> list[tuple[int, int, int]]:
-        """Decay, then per layer at most one swap. Returns (layer, to_gpu, to_host)."""
+        """Decay, then per layer at most `max_swaps` swaps (ties to the lowest expert id).
+        Returns (layer, to_gpu, to_host)."""
         self.counts *= policy.decay
         swaps = []
         host_counts = np.where(self.on_host, self.counts, -np.inf)
         gpu_counts = np.where(self.on_host, np.inf, self.counts)
-        best_host = host_counts.argmax(axis=1)
-        worst_gpu = gpu_counts.argmin(axis=1)
+        k = policy.max_swaps
+        best_host = np.argsort(-host_counts, axis=1, kind="stable")[:, :k]
+        worst_gpu = np.argsort(gpu_counts, axis=1, kind="stable")[:, :k]
         for layer in range(self.on_host.shape[0]):
-            h, g = best_host[layer], worst_gpu[layer]
-            if not (np.isfinite(host_counts[layer, h]) and np.isfinite(gpu_counts[layer, g])):
-                continue  # a layer with no host experts (or no GPU experts)
-            if host_counts[layer, h] - gpu_counts[layer, g] > policy.margin:
+            for h, g in zip(best_host[layer], worst_gpu[layer], strict=True):
+                hc, gc = host_counts[layer, h], gpu_counts[layer, g]
+                if not (np.isfinite(hc) and np.isfinite(gc)):
+                    break  # no (more) host experts, or no GPU experts
+                if hc - gc <= policy.margin:
+                    break
                 self.on_host[layer, h], self.on_host[layer, g] = False, True
                 swaps.append((layer, int(h), int(g)))
         return swaps
@@ -117,14 +127,19 @@ def simulate_steps(
     num_experts: int,
     host: dict[int, Iterable[int]],
     policy: SwapPolicy | None,
+    prompts: dict[int, np.ndarray] | None = None,
 ) -> SimulationResult:
     """Replay decode steps of several streams decoded together (each step (streams,
     layers, top_k)): a step reads each host expert its batch picks once per layer, however
     many of its tokens picked it, as the kernel does; every pick counts, and decisions
-    come every `interval` steps."""
+    come every `interval` steps. `prompts` (what-if): before step i, the picks of the
+    prompts prefilled then (tokens, layers, top_k) count too."""
     state = SwapState(num_layers, num_experts, host)
     tokens = reads = swaps = n = 0
     for step in steps:
+        if policy is not None and prompts and n in prompts:
+            for picks in prompts[n]:
+                state.observe(picks)
         for layer in range(num_layers):
             reads += int(state.on_host[layer, np.unique(step[:, layer, :])].sum())
         tokens += step.shape[0]

@@ -85,6 +85,11 @@ def test_the_command_line_on_a_planted_model(tmp_path, repo_root):
     assert simulate_swap.main([*args, "--decode-tokens", "17", "--json", str(out)]) == 0
     rows = {r["placement"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"fixed cold set", "swap 8/512/2", "hindsight fixed placement"}
+    what_if = ["--decode-tokens", "17", "--max-swaps", "4", "--count-prompts"]
+    assert simulate_swap.main([*args, *what_if, "--json", str(tmp_path / "w.json")]) == 0
+    labels = [r["placement"] for r in json.loads((tmp_path / "w.json").read_text())["results"]]
+    assert "swap 8/512/2 x4 +prompts" in labels
+    assert simulate_swap.main([*args, "--max-swaps", "0"]) == 1
     for r in rows.values():
         assert (r["steps"], r["tokens"]) == (2 * 16, 2 * 16 * 4)  # warm-up + 1 batch
         assert r["reads_per_step"] == r["reads_per_token"] * 4
@@ -95,3 +100,25 @@ def test_the_command_line_on_a_planted_model(tmp_path, repo_root):
     assert rows["fixed cold set"]["reads_per_token"] > 0
     bad = simulate_swap.main([*args[:4], "--streams", "0"])
     assert bad == 1
+
+
+def test_what_if_more_swaps_per_decision_and_prompt_picks_counted():
+    """--max-swaps K trades up to K pairs per layer per decision, the most used host
+    expert with the least used GPU one, then the next pair, while the margin holds; the
+    runtime's kernel trades one (K=1 is the reference). Prompt picks, counted before their
+    batch's first step, let the first decision act on them."""
+    # host experts 3, 4, 5; the stream picks 3 and 4 at every step
+    steps = steps_of(*[[[3, 4]]] * 4)
+    host = {0: [3, 4, 5]}
+    one = simulate_steps(iter(steps), 1, 8, host, SwapPolicy(2, 1e9, 1.0))
+    two = simulate_steps(iter(steps), 1, 8, host, SwapPolicy(2, 1e9, 1.0, max_swaps=2))
+    assert (one.host_reads, one.swaps) == (2 + 2 + 1 + 1, 2)  # 4 leaves at the second decision
+    assert (two.host_reads, two.swaps) == (2 + 2, 2)  # both leave at the first
+    # expert 5 is never picked: no third pair even with K=8
+    many = simulate_steps(iter(steps), 1, 8, host, SwapPolicy(2, 1e9, 1.0, max_swaps=8))
+    assert many.swaps == 2
+    # the prompt picked 3 and 4 twice: the first decision already has them
+    prompt = {0: np.array([[[3, 4]], [[3, 4]]])}
+    early = simulate_steps(iter(steps), 1, 8, host, SwapPolicy(1, 1e9, 1.0, 2), prompt)
+    assert (early.host_reads, early.swaps) == (2, 2)
+    assert simulate_steps(iter(steps), 1, 8, host, None, prompt).host_reads == 8

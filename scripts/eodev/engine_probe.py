@@ -675,8 +675,9 @@ def _streams(llm, task: dict) -> dict:
 def _ttft(llm, task: dict) -> dict:
     from vllm import SamplingParams
 
-    # the first token and its logprob: what the prefill computed, compared across engines
-    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, logprobs=0)
+    # the first token and its logprob (the sampled token is always among the returned ones,
+    # as the greedy task reads them): what the prefill computed, compared across engines
+    params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, logprobs=1)
     times, first = [], []
     for rep in range(1 + task.get("repeats", 3)):
         # a different first token each time defeats prefix caching

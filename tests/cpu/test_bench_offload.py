@@ -992,7 +992,7 @@ def test_ttft_keeps_each_first_token_and_the_report_compares_them(monkeypatch):
             self.first, self.lp, self.prompts = first, lp, []
 
         def generate(self, prompts, params, use_tqdm):
-            assert params.max_tokens == 1 and params.logprobs == 0
+            assert params.max_tokens == 1 and params.logprobs == 1
             ids = prompts[0]["prompt_token_ids"]
             self.prompts.append(ids)
             token = self.first + ids[0]

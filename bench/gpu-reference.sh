@@ -23,7 +23,8 @@
 #              geometry): unpatched, offload-03-swap, offload-02 (each with and without
 #              prefill staging), offload-03, --cpu-offload-gb at 10% host, TTFT 2k/8k/32k
 #              against its bound, 1, 4 and 16 streams; two configurations beside each
-#              unpatched engine
+#              unpatched engine (three units of 7-9 minutes on an H200; EO_TABLE24_CONFIGS
+#              runs a subset, e.g. unpatched,offload-03,cpu-offload-gb)
 #   sweep24    offload-03-swap against --cpu-offload-gb at 5, 20 and 40% host, 24 layers
 #   prefill8k  prefill's parts again with 8192-token prefill chunks (one copy of the host
 #              experts per 8k prompt instead of four), and offload-03-swap with and without
@@ -124,7 +125,8 @@ run_part() {
       ;;
     table24)
       model24 || return 1
-      part table24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap,offload-03-swap+stage,offload-02,offload-02+stage,offload-03,cpu-offload-gb --group 2 --ttft-32k --streams 1,4,16 ${RUN[*]} --out OUT/table24.json"
+      local configs=${EO_TABLE24_CONFIGS:-unpatched,offload-03-swap,offload-03-swap+stage,offload-02,offload-02+stage,offload-03,cpu-offload-gb}
+      part table24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs $configs --group 2 --ttft-32k --streams 1,4,16 ${RUN[*]} --out OUT/table24.json"
       ;;
     sweep24)
       model24 || return 1

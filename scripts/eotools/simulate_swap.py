@@ -16,7 +16,13 @@ import numpy as np
 
 from .coldcheck import REMAKE, ColdFileError, load_cold_file
 from .devtools import DevToolsMissing, dev_module
-from .swap_policy import SwapPolicy, hindsight_host, simulate, simulate_steps
+from .swap_policy import (
+    SwapPolicy,
+    hindsight_host,
+    hindsight_per_batch,
+    simulate,
+    simulate_steps,
+)
 
 EPILOG = """Picks come from a recorded file (--picks: .npy or .npz array 'picks' of shape
 (decode tokens, layers, top_k), in order; a serving trace, VLLM_EXPERT_COUNT_TRACE_TOKENS, also
@@ -24,8 +30,9 @@ names its layers in 'layers') or, for a make-test-model checkpoint, from its
 planted routers over conversations that stay in one domain (--model with --domain), or over
 N streams of mixed domains decoded together, as bench-offload --streams runs them (--model
 with --streams N: a warm-up batch and --batches more, each of N new prompts; a step reads a
-host expert once however many of its streams picked it, and the table adds the fixed
-placement that the run picks least, known afterwards, as the floor).
+host expert once however many of its streams picked it, and the table adds two floors known
+only afterwards: the fixed placement that the run picks least, and the placement that each
+batch picks least, rebuilt at every batch, with the experts it moves counted as swaps).
 
 exit codes: 0 done; 1 bad input; 2 usage."""
 
@@ -224,19 +231,25 @@ def run_streams(
     experts: int,
     host: dict[int, list[int]],
     swap_policies: list[SwapPolicy],
+    starts: list[int],
     prompts: dict[int, np.ndarray] | None = None,
 ) -> list[dict]:
-    """The many-streams workload through the fixed cold set, each policy and the hindsight
-    placement; a table row per run, the rows for --json. `prompts`: the swap counts the
-    prompts' picks too (what-if)."""
+    """The many-streams workload through the fixed cold set, each policy and the two
+    hindsight placements (fixed; rebuilt for each batch starting at `starts`); a table
+    row per run, the rows for --json. `prompts`: the swap counts the prompts' picks too
+    (what-if)."""
     n = steps.shape[1]
     print(f"{n} streams, {steps.shape[0]} decode steps")
     print(f"{'placement':<30} {'reads/token':>11} {'reads/step':>10} {'swaps/token':>11}")
     runs = [("fixed cold set", None, host), *((None, p, host) for p in swap_policies)]
     runs.append(("hindsight fixed placement", None, hindsight_host(steps, experts, host)))
+    runs.append(("hindsight placement per batch", None, None))
     results = []
     for label, policy, start in runs:
-        r = simulate_steps(iter(steps), layers, experts, start, policy, prompts)
+        if start is None:
+            r = hindsight_per_batch(steps, experts, host, starts)
+        else:
+            r = simulate_steps(iter(steps), layers, experts, start, policy, prompts)
         if policy is not None:
             label = _label(policy) + (" +prompts" if prompts else "")
         print(
@@ -332,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if steps is not None:
         prompts = prefilled if args.count_prompts else None
-        results = run_streams(steps, layers, experts, host, policies(args), prompts)
+        starts = sorted(prefilled)
+        results = run_streams(steps, layers, experts, host, policies(args), starts, prompts)
     else:
         results = run_policies(workloads, layers, experts, host, policies(args))
     if args.json:

@@ -162,6 +162,29 @@ def hindsight_host(
     known only afterwards, and the floor the swap is measured against."""
     out = {}
     for layer, ids in host.items():
+        ids = list(ids)
         counts = np.bincount(steps[:, :, layer, :].ravel(), minlength=num_experts)
-        out[layer] = sorted(int(e) for e in np.argsort(counts, kind="stable")[: len(list(ids))])
+        moved = np.ones(num_experts, dtype=np.int64)
+        moved[ids] = 0  # among equal counts, keep what is on the host already
+        order = np.lexsort((moved, counts))  # by count, then moved, then id
+        out[layer] = sorted(int(e) for e in order[: len(ids)])
     return out
+
+
+def hindsight_per_batch(
+    steps: np.ndarray, num_experts: int, host: dict[int, Iterable[int]], starts: list[int]
+) -> SimulationResult:
+    """Each batch of streams (steps from each of `starts` to the next) on the placement
+    that batch picks least, known afterwards; the swaps are the pairs traded to get there
+    from the placement before (the cold set for the first). A floor for a policy that
+    could rebuild the placement for every batch from what it will pick."""
+    bounds = [*starts, steps.shape[0]]
+    before = {layer: set(ids) for layer, ids in host.items()}
+    tokens = reads = swaps = 0
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        placed = hindsight_host(steps[a:b], num_experts, {k: sorted(v) for k, v in before.items()})
+        r = simulate_steps(iter(steps[a:b]), steps.shape[2], num_experts, placed, None)
+        tokens, reads = tokens + r.tokens, reads + r.host_reads
+        swaps += sum(len(set(ids) - before[layer]) for layer, ids in placed.items())
+        before = {layer: set(ids) for layer, ids in placed.items()}
+    return SimulationResult(tokens, reads, swaps, steps.shape[0])

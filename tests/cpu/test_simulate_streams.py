@@ -56,6 +56,23 @@ def test_the_hindsight_placement_is_the_least_picked_of_each_layer():
     assert len(got[1]) == 1 and got[1][0] in (1, 4, 5)
 
 
+def test_the_placement_rebuilt_for_each_batch_counts_what_it_moves():
+    """Two batches of one stream: the first picks 3, the second 5 (both on host at the
+    start with 4). Rebuilt per batch, neither batch reads the host; 3 leaves the host for
+    the first (one pair), then 5 for the second (another), and among never-picked experts
+    the ones already on the host stay there."""
+    from eotools.swap_policy import hindsight_per_batch
+
+    steps = steps_of([[3, 1]], [[3, 2]], [[5, 1]], [[5, 2]])
+    r = hindsight_per_batch(steps, 8, {0: [3, 4, 5]}, [0, 2])
+    assert (r.tokens, r.steps, r.host_reads, r.swaps) == (4, 4, 0, 2)
+    # the fixed placement that the whole run picks least: never-picked experts, and among
+    # them the one already on the host (4) before others
+    fixed = hindsight_host(steps, 8, {0: [3, 4, 5]})
+    assert simulate_steps(iter(steps), 1, 8, fixed, None).host_reads == 0
+    assert 4 in fixed[0]
+
+
 def test_the_command_line_on_a_planted_model(tmp_path, repo_root):
     """bench-offload's workload on a two-layer make-test-model checkpoint: the fixed cold
     set, the swap and the hindsight placement, each with reads per token and per step; the
@@ -84,7 +101,12 @@ def test_the_command_line_on_a_planted_model(tmp_path, repo_root):
     args = ["--cold", str(cold), "--model", str(model), "--streams", "4", "--batches", "1"]
     assert simulate_swap.main([*args, "--decode-tokens", "17", "--json", str(out)]) == 0
     rows = {r["placement"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"fixed cold set", "swap 8/512/2", "hindsight fixed placement"}
+    assert set(rows) == {
+        "fixed cold set",
+        "swap 8/512/2",
+        "hindsight fixed placement",
+        "hindsight placement per batch",
+    }
     what_if = ["--decode-tokens", "17", "--max-swaps", "4", "--count-prompts"]
     assert simulate_swap.main([*args, *what_if, "--json", str(tmp_path / "w.json")]) == 0
     labels = [r["placement"] for r in json.loads((tmp_path / "w.json").read_text())["results"]]
@@ -93,10 +115,11 @@ def test_the_command_line_on_a_planted_model(tmp_path, repo_root):
     for r in rows.values():
         assert (r["steps"], r["tokens"]) == (2 * 16, 2 * 16 * 4)  # warm-up + 1 batch
         assert r["reads_per_step"] == r["reads_per_token"] * 4
-    assert (
-        rows["hindsight fixed placement"]["reads_per_token"]
-        <= rows["fixed cold set"]["reads_per_token"]
+    per_batch, fixed, cold = (
+        rows[k]["reads_per_token"]
+        for k in ("hindsight placement per batch", "hindsight fixed placement", "fixed cold set")
     )
+    assert per_batch <= fixed <= cold
     assert rows["fixed cold set"]["reads_per_token"] > 0
     bad = simulate_swap.main([*args[:4], "--streams", "0"])
     assert bad == 1

@@ -1008,22 +1008,14 @@ def merge_rounds(rows: list[dict]) -> dict:
     out["tpot_vs_bound"] = float(np.median(bounds)) if bounds else None
     if out.get("physical_bound_tpot_ms") is not None:
         out["physical_bound_tpot_ms"] = med("physical_bound_tpot_ms")
-    if "sequences_identical_to_unpatched" in out:
-        same = [tuple(map(int, r["sequences_identical_to_unpatched"].split("/"))) for r in rows]
-        out["sequences_identical_to_unpatched"] = (
-            f"{sum(a for a, _ in same)}/{sum(b for _, b in same)}"
-        )
-        out["decode_logprob_max_abs_diff"] = max(r["decode_logprob_max_abs_diff"] for r in rows)
-    if all("ttft_first_tokens_identical_to_unpatched" in r for r in rows):
-        same = [
-            tuple(map(int, r["ttft_first_tokens_identical_to_unpatched"].split("/"))) for r in rows
-        ]
-        out["ttft_first_tokens_identical_to_unpatched"] = (
-            f"{sum(a for a, _ in same)}/{sum(b for _, b in same)}"
-        )
-        out["ttft_first_logprob_max_abs_diff"] = max(
-            r["ttft_first_logprob_max_abs_diff"] for r in rows
-        )
+    for same, worst in (
+        ("sequences_identical_to_unpatched", "decode_logprob_max_abs_diff"),
+        ("ttft_first_tokens_identical_to_unpatched", "ttft_first_logprob_max_abs_diff"),
+    ):
+        if all(same in r for r in rows):  # "a/b" per round: summed; the worst difference
+            counts = [tuple(map(int, r[same].split("/"))) for r in rows]
+            out[same] = f"{sum(a for a, _ in counts)}/{sum(b for _, b in counts)}"
+            out[worst] = max(r[worst] for r in rows)
     out["rounds"] = len(rows)
     return out
 

@@ -241,17 +241,20 @@ def run_streams(
     n = steps.shape[1]
     print(f"{n} streams, {steps.shape[0]} decode steps")
     print(f"{'placement':<30} {'reads/token':>11} {'reads/step':>10} {'swaps/token':>11}")
-    runs = [("fixed cold set", None, host), *((None, p, host) for p in swap_policies)]
-    runs.append(("hindsight fixed placement", None, hindsight_host(steps, experts, host)))
-    runs.append(("hindsight placement per batch", None, None))
+
+    def fixed(placed: dict[int, list[int]]):
+        return simulate_steps(iter(steps), layers, experts, placed, None)
+
+    runs = [("fixed cold set", None, fixed(host))]
+    for policy in swap_policies:
+        r = simulate_steps(iter(steps), layers, experts, host, policy, prompts)
+        runs.append((_label(policy) + (" +prompts" if prompts else ""), policy, r))
+    runs.append(("hindsight fixed placement", None, fixed(hindsight_host(steps, experts, host))))
+    runs.append(
+        ("hindsight placement per batch", None, hindsight_per_batch(steps, experts, host, starts))
+    )
     results = []
-    for label, policy, start in runs:
-        if start is None:
-            r = hindsight_per_batch(steps, experts, host, starts)
-        else:
-            r = simulate_steps(iter(steps), layers, experts, start, policy, prompts)
-        if policy is not None:
-            label = _label(policy) + (" +prompts" if prompts else "")
+    for label, policy, r in runs:
         print(
             f"{label:<30} {r.reads_per_token:>11.3f} {r.reads_per_step:>10.2f} "
             f"{r.swaps_per_token:>11.4f}"

@@ -51,14 +51,25 @@ class SwapState:
         self.steps = 0
 
     def host_reads(self, picks: np.ndarray) -> int:
-        """Picks of one token, (layers, top_k), that land on host experts."""
-        rows = np.arange(picks.shape[0])[:, None]
-        return int(self.on_host[rows, picks].sum())
+        """Host experts one decode step reads: its picks, (layers, top_k) of one token or
+        (tokens, layers, top_k) of a batch, each (layer, expert) once however many tokens
+        picked it, as the kernel reads an expert once per batch."""
+        picked = np.zeros_like(self.on_host)
+        picked[self._rows(picks), picks] = True
+        return int((picked & self.on_host).sum())
+
+    def count(self, picks: np.ndarray) -> None:
+        """Add every pick, (..., layers, top_k), to the counts."""
+        np.add.at(self.counts, (self._rows(picks), picks), 1.0)
 
     def observe(self, picks: np.ndarray) -> None:
-        rows = np.repeat(np.arange(picks.shape[0]), picks.shape[1])
-        np.add.at(self.counts, (rows, picks.ravel()), 1.0)
+        """One decode step: its picks counted."""
+        self.count(picks)
         self.steps += 1
+
+    def _rows(self, picks: np.ndarray) -> np.ndarray:
+        """Each pick's layer, broadcast against picks (..., layers, top_k)."""
+        return np.arange(picks.shape[-2])[:, None]
 
     def decide(self, policy: SwapPolicy) -> list[tuple[int, int, int]]:
         """Decay, then per layer at most `max_swaps` swaps (ties to the lowest expert id).
@@ -138,18 +149,14 @@ def simulate_steps(
     tokens = reads = swaps = n = 0
     for step in steps:
         if policy is not None and prompts and n in prompts:
-            for picks in prompts[n]:
-                state.observe(picks)
-        for layer in range(num_layers):
-            reads += int(state.on_host[layer, np.unique(step[:, layer, :])].sum())
+            state.count(prompts[n])
+        reads += state.host_reads(step)
         tokens += step.shape[0]
         n += 1
         if policy is None:
             continue
-        for picks in step:
-            state.observe(picks)
-        state.steps = n
-        if n % policy.interval == 0:
+        state.observe(step)
+        if state.steps % policy.interval == 0:
             swaps += len(state.decide(policy))
     return SimulationResult(tokens, reads, swaps, n)
 

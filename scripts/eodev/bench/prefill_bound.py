@@ -76,12 +76,17 @@ def annotate(runs: list[dict], copy_gbps: float | None) -> None:
             r["ttft_vs_bound"] = got
 
 
+def _bounded(doc: dict) -> tuple[list[dict], list[str]]:
+    """The rows with a bound, and the prompt lengths any of them has."""
+    rows = [r for r in doc["runs"] if r.get("ttft_vs_bound")]
+    return rows, [n for n in LENGTHS if any(n in r["ttft_vs_bound"] for r in rows)]
+
+
 def lines(doc: dict) -> list[str]:
     """The markdown table: one row per configuration, one column group per prompt length."""
-    rows = [r for r in doc["runs"] if r.get("ttft_vs_bound")]
+    rows, lengths = _bounded(doc)
     if not rows:
         return []
-    lengths = [n for n in LENGTHS if any(n in r["ttft_vs_bound"] for r in rows)]
     out = [
         "",
         f"Time to first token against its bound (copy bandwidth {doc['copy_gbps']} GB/s; "
@@ -116,7 +121,7 @@ def lines(doc: dict) -> list[str]:
 def plot(doc: dict, path) -> bool:
     """TTFT against unpatched per prompt length, one bar per configuration, with each
     bound as a tick. False (nothing written) without bounds."""
-    rows = [r for r in doc["runs"] if r.get("ttft_vs_bound")]
+    rows, lengths = _bounded(doc)
     if not rows:
         return False
     import matplotlib
@@ -126,7 +131,6 @@ def plot(doc: dict, path) -> bool:
 
     from .report import save_figure
 
-    lengths = [n for n in LENGTHS if any(n in r["ttft_vs_bound"] for r in rows)]
     width = 0.8 / len(rows)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for k, r in enumerate(rows):
@@ -134,8 +138,9 @@ def plot(doc: dict, path) -> bool:
         got = [r["ttft_vs_bound"].get(n) for n in lengths]
         ratios = [b["vs_unpatched"] if b else 0.0 for b in got]
         ax.bar(xs, ratios, width, label=r.get("variant", r["config"]))
-        bounds = [b["bound_ms"] / b["ttft_ms"] * b["vs_unpatched"] if b else 0 for b in got]
-        ax.plot(xs, bounds, "k_", markersize=14)
+        ref = r["ttft_unpatched_ms"]
+        ticks = [b["bound_ms"] / ref[n] if b else 0.0 for n, b in zip(lengths, got, strict=True)]
+        ax.plot(xs, ticks, "k_", markersize=14)
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(lengths)), [f"{n} prompt" for n in lengths])
     ax.set_ylabel("TTFT / unpatched TTFT (median)")

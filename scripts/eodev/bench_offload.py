@@ -152,11 +152,12 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--configs",
         default="offload-02,offload-01,unpatched,cpu-offload-gb",
-        help="comma-separated CONFIG[:N][+count][+churn|+hold][+stage][@TREE]: +count turns the "
-        "usage-counting hook on, +churn makes offload-03-swap decide every decode step with "
-        "no margin and a half-life of one step (and self-check every 500 decisions), +hold "
-        "makes it count and decide as usual but never swap (the cost of counting and "
-        "deciding alone, against offload-03), +stage turns prefill staging on (offload-02/03), "
+        help="comma-separated CONFIG[:N][+count][+churn|+hold|+fast][+stage][@TREE]: +count "
+        "turns the usage-counting hook on, +churn makes offload-03-swap decide every decode "
+        "step with no margin and a half-life of one step (and self-check every 500 "
+        "decisions), +hold makes it count and decide as usual but never swap (the cost of "
+        "counting and deciding alone, against offload-03), +fast makes it decide every step "
+        "with a 64-step half-life and margin 1, +stage turns prefill staging on (offload-02/03), "
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )
@@ -462,8 +463,8 @@ def _placement_env(
 
 
 def _variant_env(env: dict[str, str], variant: str, name: str, out: pathlib.Path) -> None:
-    """Add the environment of a configuration's variants (+count, +churn, +hold, +stage) to
-    `env`."""
+    """Add the environment of a configuration's variants (+count, +churn, +hold, +fast,
+    +stage) to `env`."""
     if "stage" in variant:
         env["VLLM_EXPERT_PREFILL_STAGING"] = "1"
     if "count" in variant:
@@ -480,6 +481,14 @@ def _variant_env(env: dict[str, str], variant: str, name: str, out: pathlib.Path
     if "hold" in variant:
         # counts and decisions as by default, but no count can exceed this margin
         env["VLLM_EXPERT_SWAP_MARGIN"] = "1e30"
+    if "fast" in variant:
+        # what simulate-swap finds best for streams of mixed domains on the planted model:
+        # a decision every step on counts that forget quickly, with a smaller margin
+        env.update(
+            VLLM_EXPERT_SWAP_INTERVAL="1",
+            VLLM_EXPERT_SWAP_HALF_LIFE="64",
+            VLLM_EXPERT_SWAP_MARGIN="1",
+        )
 
 
 def prepare(suite: Suite, spec: str, rnd: int) -> dict:
@@ -1016,6 +1025,8 @@ def merge_rounds(rows: list[dict]) -> dict:
             counts = [tuple(map(int, r[same].split("/"))) for r in rows]
             out[same] = f"{sum(a for a, _ in counts)}/{sum(b for _, b in counts)}"
             out[worst] = max(r[worst] for r in rows)
+    if any("divergences" in r for r in rows):
+        out["divergences"] = [d for r in rows for d in r.get("divergences", [])]
     out["rounds"] = len(rows)
     return out
 
@@ -1035,8 +1046,9 @@ def agreement(res: dict, base: dict | None, workload: str) -> dict:
     task = f"{workload}_tokens"
     if base is None or task not in res["tasks"] or task not in base["tasks"]:
         return {}
-    same, total, worst = 0, 0, 0.0
-    for a, b in zip(res["tasks"][task]["outputs"], base["tasks"][task]["outputs"], strict=True):
+    same, total, worst, diverged = 0, 0, 0.0, []
+    outputs = zip(res["tasks"][task]["outputs"], base["tasks"][task]["outputs"], strict=True)
+    for i, (a, b) in enumerate(outputs):
         same += a["token_ids"] == b["token_ids"]
         total += 1
         for p, q, t, u in zip(
@@ -1045,9 +1057,33 @@ def agreement(res: dict, base: dict | None, workload: str) -> dict:
             if t != u:
                 break
             worst = max(worst, abs(p - q))
+        if (d := divergence(a, b)) is not None:
+            diverged.append({"prompt": i, **d})
     return {
         "sequences_identical_to_unpatched": f"{same}/{total}",
         "decode_logprob_max_abs_diff": worst,
+        "divergences": diverged,
+    }
+
+
+def divergence(a: dict, b: dict) -> dict | None:
+    """Where greedy output `a` first leaves the unpatched engine's `b`: the token index,
+    both tokens and each engine's logprob of its own token there. Two logprobs a few 1e-4
+    apart are a near tie that a rounding difference flipped; a wrong expert row leaves the
+    unpatched token far behind. None where the outputs are the same."""
+    ta, tb = a["token_ids"], b["token_ids"]
+    at = next((k for k, (t, u) in enumerate(zip(ta, tb, strict=False)) if t != u), None)
+    if at is None:
+        if len(ta) == len(tb):
+            return None
+        return {"at": min(len(ta), len(tb)), "of": len(tb)}  # one stopped early
+    return {
+        "at": at,
+        "of": len(tb),
+        "token": ta[at],
+        "unpatched_token": tb[at],
+        "logprob": a["logprobs"][at],
+        "unpatched_logprob": b["logprobs"][at],
     }
 
 
@@ -1074,6 +1110,34 @@ def prefill_agreement(res: dict, base: dict | None) -> dict:
         "ttft_first_tokens_identical_to_unpatched": f"{same}/{total}",
         "ttft_first_logprob_max_abs_diff": worst,
     }
+
+
+def divergence_lines(doc: dict) -> list[str]:
+    """Where each configuration's greedy tokens leave its unpatched engine's: the first
+    differing token of each such output, a divergence that repeated prompts share once."""
+    out = []
+    for r in doc["runs"]:
+        seen: dict[tuple, tuple[str, list[int]]] = {}  # divergence -> (text, its prompts)
+        for d in r.get("divergences") or []:
+            key = tuple(d.get(k) for k in ("at", "of", "token", "unpatched_token"))
+            if key not in seen:
+                what = f"token {d['at']} of {d['of']}"
+                if "token" in d:
+                    what += (
+                        f": {d['token']} (logprob {d['logprob']:.4f}) against unpatched "
+                        f"{d['unpatched_token']} ({d['unpatched_logprob']:.4f}), "
+                        f"{abs(d['logprob'] - d['unpatched_logprob']):.4f} apart"
+                    )
+                seen[key] = (what, [])
+            seen[key][1].append(d["prompt"])
+        label = f"{r.get('variant', r['config'])}, {r['workload']}"
+        for what, prompts in seen.values():
+            which = ", ".join(map(str, prompts))
+            out.append(f"- {label}, prompt{'s' * (len(prompts) > 1)} {which}: {what}")
+    if not out:
+        return []
+    head = "Where greedy tokens differ from the unpatched engine's (first differing token):"
+    return ["", head, *out]
 
 
 def prefill_agreement_lines(doc: dict) -> list[str]:
@@ -1627,6 +1691,7 @@ def markdown(doc: dict) -> str:
             + ".",
         ]
     lines += prefill_bound.lines(doc)
+    lines += divergence_lines(doc)
     lines += prefill_agreement_lines(doc)
     lines += sweep_lines(doc)
     lines += bench_streams.lines(doc)

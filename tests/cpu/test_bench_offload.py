@@ -90,6 +90,7 @@ def test_config_specs():
     assert parse_spec("cpu-offload-gb:205") == ("cpu-offload-gb", "", None, 205)
     assert parse_spec("offload-02:26+stage") == ("offload-02", "stage", None, 26)
     assert parse_spec("offload-03-swap+stage") == ("offload-03-swap", "stage", None, None)
+    assert parse_spec("offload-03-swap+fast") == ("offload-03-swap", "fast", None, None)
     assert spec_slug("offload-02") == "offload-02"  # the committed raw runs' names
     assert spec_slug("offload-03-swap:26") == "offload-03-swap-h26"
     assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
@@ -100,6 +101,8 @@ def test_config_specs():
         "unpatched+count",
         "offload-03+hold",
         "offload-03-swap+churn+hold",
+        "offload-03-swap+fast+hold",
+        "offload-03+fast",
         "offload-01+stage",
         "unpatched+stage",
     )
@@ -156,6 +159,63 @@ def test_the_stage_variant_turns_prefill_staging_on(tmp_path):
     plain = {}
     _variant_env(plain, "count", "offload-02", tmp_path / "b.json")
     assert "VLLM_EXPERT_PREFILL_STAGING" not in plain
+
+
+def test_the_fast_variant_sets_the_swap_policy_simulate_swap_prefers(tmp_path):
+    from eodev.bench_offload import _variant_env
+
+    env = {}
+    _variant_env(env, "fast+stage", "offload-03-swap", tmp_path / "b.json")
+    assert env == {
+        "VLLM_EXPERT_SWAP_INTERVAL": "1",
+        "VLLM_EXPERT_SWAP_HALF_LIFE": "64",
+        "VLLM_EXPERT_SWAP_MARGIN": "1",
+        "VLLM_EXPERT_PREFILL_STAGING": "1",
+    }
+
+
+def test_agreement_says_where_greedy_tokens_leave_the_unpatched_ones():
+    """A sequence that differs is located at its first differing token, with both tokens
+    and each engine's logprob of its own token; the report groups repeated prompts that
+    diverge the same way into one line."""
+    from eodev import bench_offload as bo
+
+    def run(*outputs):
+        return {"tasks": {"fresh_tokens": {"outputs": list(outputs)}}}
+
+    def out(ids, lps):
+        return {"token_ids": ids, "logprobs": lps}
+
+    base = run(out([1, 2, 3], [-0.1, -0.2, -4.5649]), out([4, 5], [-0.1, -0.1]))
+    same = bo.agreement(run(*base["tasks"]["fresh_tokens"]["outputs"]), base, "fresh")
+    assert same["sequences_identical_to_unpatched"] == "2/2" and same["divergences"] == []
+    res = run(out([1, 2, 9], [-0.1, -0.2, -4.5645]), out([4], [-0.1]))
+    got = bo.agreement(res, base, "fresh")
+    assert got["sequences_identical_to_unpatched"] == "0/2"
+    assert got["divergences"] == [
+        {
+            "prompt": 0,
+            "at": 2,
+            "of": 3,
+            "token": 9,
+            "unpatched_token": 3,
+            "logprob": -4.5645,
+            "unpatched_logprob": -4.5649,
+        },
+        {"prompt": 1, "at": 1, "of": 2},  # stopped early
+    ]
+    row = {"config": "offload-03-swap", "workload": "repeat"}
+    first = got["divergences"][0]
+    doc = {
+        "runs": [{**row, "divergences": [first, {**first, "prompt": 5}]}, {**row, "config": "x"}]
+    }
+    lines = bo.divergence_lines(doc)
+    assert lines[2] == (
+        "- offload-03-swap, repeat, prompts 0, 5: token 2 of 3: 9 (logprob -4.5645) against "
+        "unpatched 3 (-4.5649), 0.0004 apart"
+    )
+    assert len(lines) == 3
+    assert bo.divergence_lines({"runs": [row]}) == []
 
 
 def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path):
@@ -624,6 +684,8 @@ def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
         row("offload-03-swap", 26, "fresh", 1.02, 0.053),
         row("cpu-offload-gb", 26, "fresh", 0.95, 0.060),
         row("offload-03-swap", 205, "fresh", 0.80, 0.40),  # its partner did not run
+        {**row("offload-03-swap", 102, "fresh", 0.9, 0.2), "variant": "offload-03-swap:102+stage"},
+        row("cpu-offload-gb", 102, "fresh", 0.6, 0.2),  # staging leaves decode as it is
         row("offload-02", 51, "fresh", 0.86, 0.1),
         {**row("offload-03-swap", 51, "fresh", 0.5, 0.098), "variant": "offload-03-swap+hold"},
     ]
@@ -633,7 +695,11 @@ def test_the_sweep_pairs_both_configurations_at_each_cold_set_size(tmp_path):
     points = sweep_points(doc)
     assert sorted(points) == [("cpu-offload-gb", "fresh"), ("offload-03-swap", "fresh")]
     swap = points[("offload-03-swap", "fresh")]
-    assert [(p["experts_per_layer"], p["ratio"]) for p in swap] == [(26, 1.02), (51, 0.99)]
+    assert [(p["experts_per_layer"], p["ratio"]) for p in swap] == [
+        (26, 1.02),
+        (51, 0.99),
+        (102, 0.9),
+    ]
     assert swap[0]["low"] == pytest.approx(1.0) and swap[0]["high"] == pytest.approx(1.03)
     lines = sweep_lines(doc)
     assert "| 26 | fresh | 1.020x (0.053) | 0.950x (0.060) | 1.07x |" in lines

@@ -13,10 +13,12 @@ CONFIGS = (
 
 
 def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
-    """A --configs entry: CONFIG[:N][+count][+churn|+hold][+stage][@TREE]. `:N` puts N
+    """A --configs entry: CONFIG[:N][+count][+churn|+hold|+fast][+stage][@TREE]. `:N` puts N
     experts of every layer on host (offload-02/03; for cpu-offload-gb the same bytes);
     `+count` turns the usage-counting hook on; `+churn` makes the runtime swap decide every
     decode step; `+hold` makes it decide as usual with a margin no count reaches (no swap);
+    `+fast` makes it decide every step with a 64-step half-life and margin 1 (the setting
+    simulate-swap finds best for streams of mixed domains);
     `+stage` turns prefill staging on (VLLM_EXPERT_PREFILL_STAGING=1; offload-02/03);
     `@TREE` runs another patched vLLM tree (an A/B of two series in one run)."""
     spec, _, tree = spec.partition("@")
@@ -32,18 +34,21 @@ def parse_spec(spec: str) -> tuple[str, str, str | None, int | None]:
             raise SystemExit(f"{spec!r}: {name} has no host experts per layer to set")
         per_layer = int(size)
     for x in extras:
-        if x not in ("count", "churn", "hold", "stage"):
-            raise SystemExit(f"unknown variant +{x} in {spec!r}: +count, +churn, +hold or +stage")
+        if x not in ("count", "churn", "hold", "fast", "stage"):
+            raise SystemExit(
+                f"unknown variant +{x} in {spec!r}: +count, +churn, +hold, +fast or +stage"
+            )
     if "stage" in extras and name not in ("offload-02", "offload-03", "offload-03-swap"):
         raise SystemExit(
             f"+stage needs offload-02, offload-03 or offload-03-swap (prefill staging stages "
             f"host experts), not {name}"
         )
-    for x in ("churn", "hold"):
-        if x in extras and name != "offload-03-swap":
+    policies = [x for x in extras if x in ("churn", "hold", "fast")]
+    for x in policies:
+        if name != "offload-03-swap":
             raise SystemExit(f"+{x} needs offload-03-swap, not {name}")
-    if "churn" in extras and "hold" in extras:
-        raise SystemExit(f"{spec!r}: +churn and +hold exclude each other")
+    if len(policies) > 1:
+        raise SystemExit(f"{spec!r}: +churn, +hold and +fast exclude each other")
     if (extras or tree) and name in ("unpatched", "cpu-offload-gb"):
         raise SystemExit(f"{name} runs unpatched vLLM: no variants")
     return name, "+".join(extras), tree or None, per_layer

@@ -17,9 +17,10 @@ SWEPT = ("offload-03-swap", "cpu-offload-gb")
 
 def _size(row: dict, main: int | None) -> int | None:
     """Experts per layer of a sweep row (as recorded, else N from ``CONFIG:N``, else the
-    run's main size); None for a variant (``+hold``, ``@TREE``), which is no sweep point."""
+    run's main size); None for a variant (``+hold``, ``@TREE``), which is no sweep point.
+    ``+stage`` is one: prefill staging leaves decode's code as it is."""
     _, extras, tree, n = parse_spec(row.get("variant") or row["config"])
-    if extras or tree:
+    if (extras and extras != "stage") or tree:
         return None
     return row.get("host_experts_per_layer") or n or main
 

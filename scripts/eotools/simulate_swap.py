@@ -19,7 +19,7 @@ from .devtools import DevToolsMissing, dev_module
 from .swap_policy import (
     SwapPolicy,
     hindsight_host,
-    hindsight_per_batch,
+    placed_per_batch,
     simulate,
     simulate_steps,
 )
@@ -32,7 +32,8 @@ N streams of mixed domains decoded together, as bench-offload --streams runs the
 with --streams N: a warm-up batch and --batches more, each of N new prompts; a step reads a
 host expert once however many of its streams picked it, and the table adds two floors known
 only afterwards: the fixed placement that the run picks least, and the placement that each
-batch picks least, rebuilt at every batch, with the experts it moves counted as swaps).
+batch picks least, rebuilt at every batch, with the experts it moves counted as swaps; and
+one a server could build: each batch's placement from what its prompts picked).
 
 exit codes: 0 done; 1 bad input; 2 usage."""
 
@@ -233,11 +234,13 @@ def run_streams(
     swap_policies: list[SwapPolicy],
     starts: list[int],
     prompts: dict[int, np.ndarray] | None = None,
+    placed_by_prompts: dict[int, np.ndarray] | None = None,
 ) -> list[dict]:
     """The many-streams workload through the fixed cold set, each policy and the two
     hindsight placements (fixed; rebuilt for each batch starting at `starts`); a table
     row per run, the rows for --json. `prompts`: the swap counts the prompts' picks too
-    (what-if)."""
+    (what-if). `placed_by_prompts` (each batch's prompt picks): also the placement rebuilt
+    for each batch from what its prompts picked, which a server could know."""
     n = steps.shape[1]
     print(f"{n} streams, {steps.shape[0]} decode steps")
     print(f"{'placement':<30} {'reads/token':>11} {'reads/step':>10} {'swaps/token':>11}")
@@ -251,8 +254,11 @@ def run_streams(
         runs.append((_label(policy) + (" +prompts" if prompts else ""), policy, r))
     runs.append(("hindsight fixed placement", None, fixed(hindsight_host(steps, experts, host))))
     runs.append(
-        ("hindsight placement per batch", None, hindsight_per_batch(steps, experts, host, starts))
+        ("hindsight placement per batch", None, placed_per_batch(steps, experts, host, starts))
     )
+    if placed_by_prompts:
+        r = placed_per_batch(steps, experts, host, starts, placed_by_prompts)
+        runs.append(("placement per batch by prompts", None, r))
     results = []
     for label, policy, r in runs:
         print(
@@ -349,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if steps is not None:
         prompts = prefilled if args.count_prompts else None
         starts = sorted(prefilled)
-        results = run_streams(steps, layers, experts, host, policies(args), starts, prompts)
+        results = run_streams(
+            steps, layers, experts, host, policies(args), starts, prompts, prefilled
+        )
     else:
         results = run_policies(workloads, layers, experts, host, policies(args))
     if args.json:

@@ -178,18 +178,26 @@ def hindsight_host(
     return out
 
 
-def hindsight_per_batch(
-    steps: np.ndarray, num_experts: int, host: dict[int, Iterable[int]], starts: list[int]
+def placed_per_batch(
+    steps: np.ndarray,
+    num_experts: int,
+    host: dict[int, Iterable[int]],
+    starts: list[int],
+    prompts: dict[int, np.ndarray] | None = None,
 ) -> SimulationResult:
-    """Each batch of streams (steps from each of `starts` to the next) on the placement
-    that batch picks least, known afterwards; the swaps are the pairs traded to get there
-    from the placement before (the cold set for the first). A floor for a policy that
-    could rebuild the placement for every batch from what it will pick."""
+    """Each batch of streams (steps from each of `starts` to the next) on a placement
+    rebuilt when it starts: the experts that batch's decode picks least, known only
+    afterwards (a floor for any policy that rebuilds per batch), or, given `prompts` (the
+    picks of each batch's prompts, (tokens, layers, top_k) by its start step), the experts
+    its prompts pick least, which a server knows once the prompts are prefilled. The swaps
+    are the pairs traded to get there from the placement before (the cold set for the
+    first)."""
     bounds = [*starts, steps.shape[0]]
     before = {layer: set(ids) for layer, ids in host.items()}
     tokens = reads = swaps = 0
     for a, b in zip(bounds, bounds[1:], strict=False):
-        placed = hindsight_host(steps[a:b], num_experts, {k: sorted(v) for k, v in before.items()})
+        basis = steps[a:b] if prompts is None else prompts[a][:, None]
+        placed = hindsight_host(basis, num_experts, {k: sorted(v) for k, v in before.items()})
         r = simulate_steps(iter(steps[a:b]), steps.shape[2], num_experts, placed, None)
         tokens, reads = tokens + r.tokens, reads + r.host_reads
         swaps += sum(len(set(ids) - before[layer]) for layer, ids in placed.items())

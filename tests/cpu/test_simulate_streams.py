@@ -61,16 +61,32 @@ def test_the_placement_rebuilt_for_each_batch_counts_what_it_moves():
     start with 4). Rebuilt per batch, neither batch reads the host; 3 leaves the host for
     the first (one pair), then 5 for the second (another), and among never-picked experts
     the ones already on the host stay there."""
-    from eotools.swap_policy import hindsight_per_batch
+    from eotools.swap_policy import placed_per_batch
 
     steps = steps_of([[3, 1]], [[3, 2]], [[5, 1]], [[5, 2]])
-    r = hindsight_per_batch(steps, 8, {0: [3, 4, 5]}, [0, 2])
+    r = placed_per_batch(steps, 8, {0: [3, 4, 5]}, [0, 2])
     assert (r.tokens, r.steps, r.host_reads, r.swaps) == (4, 4, 0, 2)
     # the fixed placement that the whole run picks least: never-picked experts, and among
     # them the one already on the host (4) before others
     fixed = hindsight_host(steps, 8, {0: [3, 4, 5]})
     assert simulate_steps(iter(steps), 1, 8, fixed, None).host_reads == 0
     assert 4 in fixed[0]
+
+
+def test_the_placement_built_from_each_batchs_prompts():
+    """Each batch placed by what its prompts picked. The first batch's prompts pick 3 (and
+    2, 1): 3 comes to the GPU in exchange for 0, which they never picked, and its decode
+    (3 and 2) reads nothing. The second batch's prompts pick 5 (and 2, 0): 5 and 0 come to
+    the GPU in exchange for 1 and 3 (three pairs moved in all), but its decode picks 6,
+    which stays on the host: two reads, one per step."""
+    from eotools.swap_policy import placed_per_batch
+
+    steps = steps_of([[3, 2]], [[3, 2]], [[6, 2]], [[6, 2]])
+    prompts = {0: np.array([[[3, 2]], [[3, 1]]]), 2: np.array([[[5, 2]], [[5, 0]]])}
+    r = placed_per_batch(steps, 8, {0: [3, 5, 6]}, [0, 2], prompts)
+    assert (r.tokens, r.steps, r.host_reads, r.swaps) == (4, 4, 2, 3)
+    # without the prompts, the same call is the hindsight floor: no read at all
+    assert placed_per_batch(steps, 8, {0: [3, 5, 6]}, [0, 2]).host_reads == 0
 
 
 def test_the_command_line_on_a_planted_model(tmp_path, repo_root):
@@ -106,6 +122,7 @@ def test_the_command_line_on_a_planted_model(tmp_path, repo_root):
         "swap 8/512/2",
         "hindsight fixed placement",
         "hindsight placement per batch",
+        "placement per batch by prompts",
     }
     what_if = ["--decode-tokens", "17", "--max-swaps", "4", "--count-prompts"]
     assert simulate_swap.main([*args, *what_if, "--json", str(tmp_path / "w.json")]) == 0

@@ -25,7 +25,11 @@
 #              against its bound, 1, 4 and 16 streams; two configurations beside each
 #              unpatched engine (three units of 7-9 minutes on an H200; EO_TABLE24_CONFIGS
 #              runs a subset, e.g. unpatched,offload-03,cpu-offload-gb)
-#   sweep24    offload-03-swap against --cpu-offload-gb at 5, 20 and 40% host, 24 layers
+#   sweep24    the 24-layer model at other host fractions, three configurations beside each
+#              unpatched engine: offload-03-swap with prefill staging at 25% and 40% host
+#              beside --cpu-offload-gb at 40% (decode, TTFT 2k/8k/32k against its bound), then
+#              offload-03-swap at 5% and 20% beside --cpu-offload-gb at 20% (two units of
+#              10-15 minutes on an H200; EO_SWEEP24_CONFIGS runs a subset)
 #   prefill8k  prefill's parts again with 8192-token prefill chunks (one copy of the host
 #              experts per 8k prompt instead of four), and offload-03-swap with and without
 #              staging
@@ -130,7 +134,8 @@ run_part() {
       ;;
     sweep24)
       model24 || return 1
-      part sweep24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap:26,cpu-offload-gb:26,offload-03-swap:102,cpu-offload-gb:102,offload-03-swap:205,cpu-offload-gb:205 --group 2 ${RUN[*]} --out OUT/sweep24.json"
+      local configs=${EO_SWEEP24_CONFIGS:-unpatched,offload-03-swap:128+stage,offload-03-swap:205+stage,cpu-offload-gb:205,offload-03-swap:26,offload-03-swap:102,cpu-offload-gb:102}
+      part sweep24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs $configs --group 3 --ttft-32k ${RUN[*]} --out OUT/sweep24.json"
       ;;
     prefill8k)
       EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k "bench:${HOST10[*]} --configs unpatched,offload-02,offload-02+stage,offload-02:205,offload-02:205+stage,offload-03-swap,offload-03-swap+stage --group 4 ${RUN[*]} --out OUT/prefill8k.json"

@@ -5,9 +5,10 @@
 #
 # PART is one of
 #   models     the synthetic test models (INT4 8 and 16 layers, BF16 2 layers); every other
-#              part but table24, sweep24 and pp2 (which make the 24-layer model, freeing the
-#              disk of these when it is short) makes them first if they are missing, so start
-#              this one early (while the vLLM install finishes) to save time later
+#              part but table24, sweep24, streams24, prefill8k24 and pp2 (which make the
+#              24-layer model, freeing the disk of these when it is short) makes them first
+#              if they are missing, so start this one early (while the vLLM install finishes)
+#              to save time later
 #   tests      every GPU test (tests/gpu), correctness and kernels
 #   decode     five engines side by side at 10% host on the 16-layer model: unpatched,
 #              offload-02, offload-03, offload-03-swap, --cpu-offload-gb
@@ -35,6 +36,12 @@
 #              staging
 #   streams    unpatched and offload-03-swap at 10% host on the 16-layer model, 1, 4 and 16
 #              streams of mixed domains decoded together: total tokens/s, TPOT, swap counters
+#   streams24  the same on the 24-layer model, with the swap as shipped and with +fast (a
+#              decision every step, half-life 64, margin 1: simulate-swap's best setting for
+#              mixed streams)
+#   prefill8k24  offload-03-swap with prefill staging at 10% and 40% host beside unpatched on
+#              the 24-layer model, every engine with 8192-token prefill chunks (one copy of
+#              the host experts per 8k of prompt instead of four): TTFT 2k/8k/32k, decode
 #   ple-cost   Qwen4Exp's PLE n-gram tables in host memory against in VRAM, on the tiny Qwen4Exp
 #              model with two 3.8 GiB tables (--ngram-vocab-base 8000000: far past the GPU's L2
 #              cache, as the real 95 GiB tables are): greedy tokens, decode TPOT, prefill TTFT
@@ -143,6 +150,14 @@ run_part() {
     streams)
       part streams "bench:${HOST10[*]} --configs unpatched,offload-03-swap --group 2 --streams 1,4,16 ${RUN[*]} --out OUT/streams.json"
       ;;
+    streams24)
+      model24 || return 1
+      part streams24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap,offload-03-swap+fast --group 2 --streams 1,4,16 ${RUN[*]} --out OUT/streams24.json"
+      ;;
+    prefill8k24)
+      model24 || return 1
+      EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap+stage,offload-03-swap:205+stage --group 2 --ttft-32k ${RUN[*]} --out OUT/prefill8k24.json"
+      ;;
     ple-cost)
       EO_QWEN4EXP_MAKE_ARGS="--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 8000000" \
         EO_GPU_MEMORY_UTILIZATION=0.3 part ple-cost "tests:tests/gpu/test_ple_host_table.py -rA -s"
@@ -163,7 +178,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | ple-cost | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | ple-cost | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2
@@ -174,7 +189,7 @@ rc=0
 for p in "$@"; do
   case $p in
     models) ;;
-    table24 | sweep24 | pp2) patched || true ;; # they make their own models
+    table24 | sweep24 | streams24 | prefill8k24 | pp2) patched || true ;; # they make their own models
     *) models || true ;;
   esac
   run_part "$p" || rc=1

@@ -1049,16 +1049,16 @@ def agreement(res: dict, base: dict | None, workload: str) -> dict:
     same, total, worst, diverged = 0, 0, 0.0, []
     outputs = zip(res["tasks"][task]["outputs"], base["tasks"][task]["outputs"], strict=True)
     for i, (a, b) in enumerate(outputs):
-        same += a["token_ids"] == b["token_ids"]
         total += 1
-        for p, q, t, u in zip(
-            a["logprobs"], b["logprobs"], a["token_ids"], b["token_ids"], strict=False
-        ):
-            if t != u:
-                break
-            worst = max(worst, abs(p - q))
-        if (d := divergence(a, b)) is not None:
+        d = divergence(a, b)
+        if d is None:
+            same += 1
+        else:
             diverged.append({"prompt": i, **d})
+        # logprobs of the tokens both chose, up to where they part
+        agreed = d["at"] if d else len(a["token_ids"])
+        for p, q in zip(a["logprobs"][:agreed], b["logprobs"][:agreed], strict=False):
+            worst = max(worst, abs(p - q))
     return {
         "sequences_identical_to_unpatched": f"{same}/{total}",
         "decode_logprob_max_abs_diff": worst,

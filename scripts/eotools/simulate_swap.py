@@ -232,16 +232,16 @@ def run_streams(
     experts: int,
     host: dict[int, list[int]],
     swap_policies: list[SwapPolicy],
-    starts: list[int],
-    prompts: dict[int, np.ndarray] | None = None,
-    placed_by_prompts: dict[int, np.ndarray] | None = None,
+    prefilled: dict[int, np.ndarray],
+    count_prompts: bool = False,
 ) -> list[dict]:
-    """The many-streams workload through the fixed cold set, each policy and the two
-    hindsight placements (fixed; rebuilt for each batch starting at `starts`); a table
-    row per run, the rows for --json. `prompts`: the swap counts the prompts' picks too
-    (what-if). `placed_by_prompts` (each batch's prompt picks): also the placement rebuilt
-    for each batch from what its prompts picked, which a server could know."""
-    n = steps.shape[1]
+    """The many-streams workload through the fixed cold set, each policy, the two
+    hindsight placements (fixed; rebuilt for each batch) and the placement rebuilt for
+    each batch from what its prompts picked (`prefilled`: each batch's prompt picks by
+    the step it starts at); a table row per run, the rows for --json. `count_prompts`
+    (what-if): the swap counts the prompts' picks too."""
+    n, starts = steps.shape[1], sorted(prefilled)
+    prompts = prefilled if count_prompts else None
     print(f"{n} streams, {steps.shape[0]} decode steps")
     print(f"{'placement':<30} {'reads/token':>11} {'reads/step':>10} {'swaps/token':>11}")
 
@@ -256,9 +256,8 @@ def run_streams(
     runs.append(
         ("hindsight placement per batch", None, placed_per_batch(steps, experts, host, starts))
     )
-    if placed_by_prompts:
-        r = placed_per_batch(steps, experts, host, starts, placed_by_prompts)
-        runs.append(("placement per batch by prompts", None, r))
+    r = placed_per_batch(steps, experts, host, starts, prefilled)
+    runs.append(("placement per batch by prompts", None, r))
     results = []
     for label, policy, r in runs:
         print(
@@ -353,11 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if steps is not None:
-        prompts = prefilled if args.count_prompts else None
-        starts = sorted(prefilled)
-        results = run_streams(
-            steps, layers, experts, host, policies(args), starts, prompts, prefilled
-        )
+        swap = policies(args)
+        results = run_streams(steps, layers, experts, host, swap, prefilled, args.count_prompts)
     else:
         results = run_policies(workloads, layers, experts, host, policies(args))
     if args.json:

@@ -197,7 +197,7 @@ def placed_per_batch(
     tokens = reads = swaps = 0
     for a, b in zip(bounds, bounds[1:], strict=False):
         basis = steps[a:b] if prompts is None else prompts[a][:, None]
-        placed = hindsight_host(basis, num_experts, {k: sorted(v) for k, v in before.items()})
+        placed = hindsight_host(basis, num_experts, before)
         r = simulate_steps(iter(steps[a:b]), steps.shape[2], num_experts, placed, None)
         tokens, reads = tokens + r.tokens, reads + r.host_reads
         swaps += sum(len(set(ids) - before[layer]) for layer, ids in placed.items())

@@ -785,6 +785,8 @@ def write_report(doc: dict, out: pathlib.Path) -> None:
             gh.log(f"wrote the sweep's plot {out.with_suffix('.sweep.png')}")
         if prefill_bound.plot(doc, out.with_suffix(".prefill.png")):
             gh.log(f"wrote the prefill plot {out.with_suffix('.prefill.png')}")
+        if bench_streams.plot(doc, out.with_suffix(".streams.png")):
+            gh.log(f"wrote the many-streams plot {out.with_suffix('.streams.png')}")
     except ImportError:
         gh.log("no plot: matplotlib is not installed")
     gh.log(f"wrote {out} and its .md table (and .png plot)")
@@ -1025,6 +1027,10 @@ def merge_rounds(rows: list[dict]) -> dict:
             counts = [tuple(map(int, r[same].split("/"))) for r in rows]
             out[same] = f"{sum(a for a, _ in counts)}/{sum(b for _, b in counts)}"
             out[worst] = max(r[worst] for r in rows)
+    if all("ttft_first_logprob_unpatched_spread" in r for r in rows):
+        out["ttft_first_logprob_unpatched_spread"] = max(
+            r["ttft_first_logprob_unpatched_spread"] for r in rows
+        )
     if any("divergences" in r for r in rows):
         out["divergences"] = [d for r in rows for d in r.get("divergences", [])]
     out["rounds"] = len(rows)
@@ -1094,7 +1100,7 @@ def prefill_agreement(res: dict, base: dict | None) -> dict:
     if base is None or res is base:
         return {}
     same = total = 0
-    worst = 0.0
+    worst = spread = 0.0
     for name, task in res["tasks"].items():
         theirs = base["tasks"].get(name, {}).get("first_tokens")
         if not name.startswith("ttft_") or not task.get("first_tokens") or not theirs:
@@ -1104,12 +1110,24 @@ def prefill_agreement(res: dict, base: dict | None) -> dict:
             if a["token_id"] == b["token_id"]:
                 same += 1
                 worst = max(worst, abs(a["logprob"] - b["logprob"]))
+        spread = max(spread, _logprob_spread(theirs))
     if not total:
         return {}
     return {
         "ttft_first_tokens_identical_to_unpatched": f"{same}/{total}",
         "ttft_first_logprob_max_abs_diff": worst,
+        "ttft_first_logprob_unpatched_spread": spread,
     }
+
+
+def _logprob_spread(first_tokens: list[dict]) -> float:
+    """How far the unpatched engine's own logprobs of one prompt's first token lie apart
+    over its repeats (same token only): the yardstick for a patched engine's difference,
+    since a long prompt's prefill need not repeat itself bit for bit."""
+    by_token: dict[int, list[float]] = {}
+    for t in first_tokens:
+        by_token.setdefault(t["token_id"], []).append(t["logprob"])
+    return max((max(v) - min(v) for v in by_token.values()), default=0.0)
 
 
 def divergence_lines(doc: dict) -> list[str]:
@@ -1150,11 +1168,17 @@ def prefill_agreement_lines(doc: dict) -> list[str]:
     ]
     if not rows:
         return []
-    each = "; ".join(
-        f"{r.get('variant', r['config'])} {r['ttft_first_tokens_identical_to_unpatched']} "
-        f"(logprob max |diff| {r['ttft_first_logprob_max_abs_diff']:.4f})"
-        for r in rows
-    )
+
+    def one(r: dict) -> str:
+        text = (
+            f"{r.get('variant', r['config'])} {r['ttft_first_tokens_identical_to_unpatched']} "
+            f"(logprob max |diff| {r['ttft_first_logprob_max_abs_diff']:.4f}"
+        )
+        if r.get("ttft_first_logprob_unpatched_spread") is not None:
+            text += f"; unpatched's own repeats {r['ttft_first_logprob_unpatched_spread']:.4f}"
+        return text + ")"
+
+    each = "; ".join(one(r) for r in rows)
     return [
         "",
         "First token of every TTFT prompt (each prompt length, every repeat and the "

@@ -120,3 +120,52 @@ def lines(doc: dict) -> list[str]:
             f"{'-' if swaps is None else f'{swaps:.3f}'} |"
         )
     return out
+
+
+def plot(doc: dict, path) -> bool:
+    """Total decode tokens/s against unpatched at each stream count, one bar per patched
+    configuration (whiskers: each repeat against unpatched's median), its host reads per
+    token written above. False (nothing written) when the run had no streams."""
+    got = [r for r in doc.get("streams") or [] if r["config"] != "unpatched"]
+    counts = sorted({r["streams"] for r in got})
+    if not got:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .bench.report import save_figure
+
+    variants = list(dict.fromkeys(r["variant"] for r in got))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for k, name in enumerate(variants):
+        mine = {r["streams"]: r for r in got if r["variant"] == name}
+        for i, n in enumerate(counts):
+            r = mine.get(n)
+            if r is None or not r.get("total_vs_unpatched"):
+                continue
+            x = i + (k - (len(variants) - 1) / 2) * width
+            mid = r["total_vs_unpatched"]
+            # the unpatched engine's median, as this row's ratio was taken against it
+            ref = float(np.median(r["total_decode_tok_s"])) / mid
+            each = [t / ref for t in r["total_decode_tok_s"]]
+            ax.bar(x, mid, width, color=f"C{k}", label=name if i == 0 else None)
+            ax.errorbar(x, mid, [[mid - min(each)], [max(each) - mid]], color="k", capsize=3)
+            if r.get("host_reads_per_token") is not None:
+                ax.annotate(
+                    f"{r['host_reads_per_token']:.2f}",
+                    (x, max(each)),
+                    textcoords="offset points",
+                    xytext=(0, 3),
+                    ha="center",
+                    fontsize=7,
+                )
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(counts)), [f"{n} stream{'s' * (n > 1)}" for n in counts])
+    ax.set_ylabel("total decode tok/s / unpatched (median)")
+    ax.set_title("Many streams of mixed domains; above each bar: host reads per token")
+    ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=110)
+    return True

@@ -1083,6 +1083,7 @@ def test_ttft_keeps_each_first_token_and_the_report_compares_them(monkeypatch):
     assert bench_offload.prefill_agreement(run(same), base) == {
         "ttft_first_tokens_identical_to_unpatched": "3/3",
         "ttft_first_logprob_max_abs_diff": 0.25,
+        "ttft_first_logprob_unpatched_spread": 0.0,
     }
     got = bench_offload.prefill_agreement(run(other), base)
     assert got["ttft_first_tokens_identical_to_unpatched"] == "0/3"
@@ -1094,4 +1095,24 @@ def test_ttft_keeps_each_first_token_and_the_report_compares_them(monkeypatch):
     ]
     rows[0].update(bench_offload.prefill_agreement(run(same), base))
     (line,) = [x for x in bench_offload.prefill_agreement_lines({"runs": rows}) if x]
-    assert line.endswith("offload-03-swap+stage 3/3 (logprob max |diff| 0.2500).")
+    assert line.endswith(
+        "offload-03-swap+stage 3/3 (logprob max |diff| 0.2500; unpatched's own repeats 0.0000)."
+    )
+    # an unpatched engine whose long prompt lands on two logprobs over its repeats (seen on
+    # 32k prompts): that spread is reported beside the patched engine's difference
+    wobbly = {
+        "first_tokens": [
+            {"token_id": 7, "logprob": -0.9499},
+            {"token_id": 7, "logprob": -0.9164},
+            {"token_id": 7, "logprob": -0.9499},
+            {"token_id": 8, "logprob": -2.0},
+        ]
+    }
+    steady = {
+        "first_tokens": [{"token_id": 7, "logprob": -0.9499}] * 3
+        + [{"token_id": 9, "logprob": -1.0}]
+    }
+    got = bench_offload.prefill_agreement(run(steady), run(wobbly))
+    assert got["ttft_first_tokens_identical_to_unpatched"] == "3/4"
+    assert got["ttft_first_logprob_max_abs_diff"] == pytest.approx(0.0335)
+    assert got["ttft_first_logprob_unpatched_spread"] == pytest.approx(0.0335)

@@ -199,3 +199,24 @@ def test_rows_take_their_ratio_from_the_unpatched_engine_at_the_same_n():
     assert "| offload-03-swap | 16 | 3650.0 (3600.0, 3700.0, 3650.0) | 0.912x |" in table
     assert "| 0.31 | 0.012 |" in table and "| unpatched | 1 | 510.0" in table
     assert bench_streams.lines({"streams": []}) == []
+
+
+def test_the_plot_draws_the_patched_rows_against_their_unpatched_engine(tmp_path):
+    from eodev import bench_streams
+
+    rows = [
+        {"config": "unpatched", "variant": "unpatched", "streams": 16},
+        {
+            "config": "offload-03-swap",
+            "variant": "offload-03-swap+fast",
+            "streams": 16,
+            "total_decode_tok_s": [3600.0, 3700.0, 3650.0],
+            "total_vs_unpatched": 0.9125,
+            "host_reads_per_token": 0.31,
+        },
+    ]
+    assert bench_streams.plot({"streams": rows}, tmp_path / "s.png")
+    assert (tmp_path / "s.png").stat().st_size > 1000
+    assert not bench_streams.plot({"streams": rows[:1]}, tmp_path / "none.png")
+    assert not bench_streams.plot({}, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()

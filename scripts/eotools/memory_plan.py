@@ -45,7 +45,7 @@ import pathlib
 import re
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -72,6 +72,9 @@ REPORTED_MIB = {32: 32607, 24: 24576}
 DRIVER_MARGIN_GIB = 32607 / 1024 - 31.4
 # vLLM's own processes besides the host experts (API server, one worker per GPU: CUDA context,
 # torch, pinned staging buffers): the preflight's estimate (eotools/preflight.py).
+# PCIe Gen5 x16 host-to-device copy bandwidth, for prefill staging's per-chunk copy (the H200
+# reference host measured 55.3 GB/s, bench/results/2026-12-01-host-read-h200.md)
+COPY_GBPS = 50.0
 HOST_RESERVE_GIB_BASE = 2.0
 HOST_RESERVE_GIB_PER_GPU = 3.0
 
@@ -498,9 +501,10 @@ def usable_vram_bytes(vram_gib: float) -> int:
     return int((reported / 1024 - DRIVER_MARGIN_GIB) * GiB)
 
 
-def read_compose(path: pathlib.Path) -> dict[str, Any]:
-    """The serving settings of a compose file (defaults of its ${VAR:-default} taken)."""
-    svc = read_service(path)
+def read_compose(path: pathlib.Path, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The serving settings of a compose file, its ${VAR:-default} taken from `environ` as
+    Compose does (None: the defaults)."""
+    svc = read_service(path, environ)
     args = svc.command
     flags: dict[str, str | None] = {}
     for i, arg in enumerate(args):
@@ -666,6 +670,20 @@ def staging_bytes(host: int, moe_layers: int, expert_bytes: int, s: Serving) -> 
     return 2 * per_layer * expert_bytes
 
 
+def host_needed(resident: int, usable: int, moe_layers: int, expert_bytes: int, s: Serving) -> int:
+    """The routed-expert bytes a card must put on host to fit `usable`, when `resident` is
+    its VRAM with every expert in it. Prefill staging's slots grow with what is on host (two
+    of a layer's share), so the answer is the fixed point of host = resident + slots(host) -
+    usable, reached from below in a few steps (the slots are 2/layers of the host bytes)."""
+    need = max(resident - usable, 0)
+    for _ in range(64):
+        nxt = max(resident + staging_bytes(need, moe_layers, expert_bytes, s) - usable, 0)
+        if nxt <= need:
+            break
+        need = nxt
+    return need
+
+
 def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") -> Plan:
     try:
         stages = stage_layers(shape.num_layers, s.pp_size, s.layer_partition)
@@ -709,10 +727,14 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
         )
         buffers = model_buffers(shape, layers, s)
         allowance = allowance_bytes(s)
-        staging = staging_bytes(host, sum(1 for p in per if p[EXPERTS]), eb, s)
-        vram = experts + other + ple_vram - host + kv_budget + buffers + allowance + staging
+        moe_layers = sum(1 for p in per if p[EXPERTS])
+        staging = staging_bytes(host, moe_layers, eb, s)
+        resident = experts + other + ple_vram + kv_budget + buffers + allowance
+        vram = resident - host + staging
         usable = s.usable_vram_bytes
-        need_host = 0.0 if usable is None else max(vram + host - usable, 0) / GiB
+        need_host = (
+            0.0 if usable is None else host_needed(resident, usable, moe_layers, eb, s) / GiB
+        )
         cards.append(
             Card(
                 rank=rank,
@@ -742,6 +764,15 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
         notes.append(
             "vLLM 0.29.0 refuses PP > 1 with PLE (model_executor/models/config.py:877); the "
             "series' PP-with-PLE patch is needed"
+        )
+    most = max((c.host_experts for c in cards), default=0)
+    if s.prefill_staging and most:
+        ms = most / (COPY_GBPS * 1e9) * 1e3
+        notes.append(
+            f"prefill staging copies a card's host experts ({most / GiB:.2f} GiB) once per "
+            f"chunk of {s.max_num_batched_tokens} tokens: about {ms:.0f} ms at "
+            f"{COPY_GBPS:g} GB/s (PCIe Gen5 x16), hidden only while the chunk computes longer; "
+            "a longer chunk (--max-num-batched-tokens) copies less often per prompt"
         )
     if s.kv_cache_memory_bytes is None:
         notes.append(
@@ -850,10 +881,15 @@ def render_markdown(p: Plan) -> str:
             "- config.json lacks " + ", ".join(p.defaulted) + ": vLLM 0.29.0's defaults used"
         )
     lines += [f"- {n}" for n in p.notes]
+    beyond = (
+        f", carried on in a straight line to chunk {s.max_num_batched_tokens} (not measured)"
+        if s.max_num_batched_tokens > 2048
+        else ""
+    )
     lines.append(
         "- allowance: the article's measurement (1.26 GiB besides weights and KV at chunk 512, "
-        "+0.7 GiB at chunk 2048); usable VRAM: the article's 31.4 GiB of a 32,607 MiB card, "
-        "same margin for others."
+        f"+0.7 GiB at chunk 2048{beyond}); usable VRAM: the article's 31.4 GiB of a 32,607 MiB "
+        "card, same margin for others."
     )
     return "\n".join(lines) + "\n"
 
@@ -884,7 +920,8 @@ def build_serving(args: argparse.Namespace) -> Serving:
         compose_path = candidate if candidate.exists() else None
     if compose_path is not None:
         try:
-            compose = read_compose(compose_path)
+            # the shell's variables, as `docker compose up` would see them
+            compose = read_compose(compose_path, os.environ)
         except (OSError, KeyError, ValueError) as e:
             raise PlanError(f"cannot read the compose file {compose_path}: {e}") from None
     fl, env = compose["flags"], compose["env"]
@@ -944,7 +981,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Per-card VRAM and host RAM of a model under a topology, from its "
         "config.json and safetensors headers (no tensor data is read; without safetensors "
         "files every size is estimated from the config). Settings come from compose/"
-        "<topology>.yml (or --compose FILE); each flag overrides them.",
+        "<topology>.yml (or --compose FILE), its ${VAR:-default} taken from the environment "
+        "as docker compose takes them (e.g. PREFILL_STAGING=1 MAX_NUM_BATCHED_TOKENS=8192 "
+        "HOST_BUDGET_GIB=10.5); each flag overrides them.",
         epilog="Exit codes: 0 every card fits and the KV cache holds one request at "
         "--max-model-len; 1 some card or KV cache does not (the table says which, and what "
         "to change); 2 bad input.",

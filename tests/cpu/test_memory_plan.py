@@ -390,6 +390,46 @@ def test_cli_json_and_env_partition(tmp_path):
     assert r.returncode == 1
 
 
+def test_the_shell_sets_the_compose_files_variables_as_compose_does():
+    """PREFILL_STAGING=1 MAX_NUM_BATCHED_TOKENS=8192 on 2x32GB: the staging slots and the
+    larger chunk's activations do not fit at the default 7 GiB per card; the plan says how
+    much to put on host, and with that much it fits (what compose/README.md tells users)."""
+    import os
+
+    def plan(**env: str) -> tuple[int, dict]:
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "scripts/memory-plan"), str(TARGET), "--topology",
+             "2x32GB", "--json"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+        )  # fmt: skip
+        return r.returncode, json.loads(r.stdout)
+
+    rc, base = plan()
+    assert rc == 0 and base["serving"]["max_num_batched_tokens"] == 2048
+    assert base["serving"]["prefill_staging"] is False
+    rc, big = plan(PREFILL_STAGING="1", MAX_NUM_BATCHED_TOKENS="8192")
+    assert rc == 1 and big["serving"]["max_num_batched_tokens"] == 8192
+    assert big["serving"]["prefill_staging"] is True
+    need = max(c["min_host_gib"] for c in big["cards"])
+    assert 10.0 < need < 11.0
+    assert all(c["staging"] > 0 and not c["fits"] for c in big["cards"])
+    rc, enough = plan(
+        PREFILL_STAGING="1", MAX_NUM_BATCHED_TOKENS="8192", HOST_BUDGET_GIB=f"{need + 0.1:.1f}"
+    )
+    assert rc == 0 and all(c["fits"] for c in enough["cards"])
+    # the per-chunk copy it implies, and that activations past chunk 2048 are extrapolated
+    env = {**os.environ, "PREFILL_STAGING": "1", "MAX_NUM_BATCHED_TOKENS": "8192"}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/memory-plan"), str(TARGET), "--topology", "2x32GB"],
+        capture_output=True, text=True, timeout=120, env={**env, "HOST_BUDGET_GIB": "10.6"},
+    )  # fmt: skip
+    host = 10.6 * GiB // EXPERT * EXPERT
+    assert f"({host / GiB:.2f} GiB) once per chunk of 8192 tokens" in r.stdout
+    assert f"about {host / 50e9 * 1e3:.0f} ms at 50 GB/s" in r.stdout
+    assert "to chunk 8192 (not measured)" in r.stdout
+    assert "not measured" not in run(str(TARGET), "--topology", "2x32GB").stdout
+
+
 @pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])
 def test_every_big_compose_file_fits_the_target(name):
     """The compose files' settings start the target: every card fits, the KV holds one request

@@ -56,14 +56,21 @@ def service(path: pathlib.Path) -> dict:
     return svc
 
 
-def flags(command: list[str]) -> dict[str, str | None]:
-    """--flag value pairs of a vllm serve command (a flag without a value maps to None)."""
+def flags(command: list[str], environ: dict[str, str] | None = None) -> dict[str, str | None]:
+    """--flag value pairs of a vllm serve command (a flag without a value maps to None), each
+    ${VAR:-default} taken from `environ` (None: left as written)."""
     out: dict[str, str | None] = {}
     for i, arg in enumerate(command):
         if arg.startswith("--"):
             nxt = command[i + 1] if i + 1 < len(command) else None
-            out[arg] = None if nxt is None or nxt.startswith("--") else nxt
+            value = None if nxt is None or nxt.startswith("--") else nxt
+            out[arg] = substitute(value, environ) if value and environ is not None else value
     return out
+
+
+def defaults(settings: dict[str, str]) -> dict[str, str]:
+    """Each value's ${VAR:-default} at its default, as an empty shell gives it."""
+    return {k: substitute(v, {}) for k, v in settings.items()}
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
@@ -108,7 +115,10 @@ def test_2x32GB_serves_the_spec_settings(repo_root):
     model, *args = svc["command"]
     assert substitute(model, {}) == "/models/Qwen3.8-Flash-Next-INT4"
     assert substitute(model, {"MODEL_NAME": "other"}) == "/models/other"
-    assert flags(args) == flags(SPEC_2X32GB) | CHANGED_2X32GB
+    assert flags(args, {}) == flags(SPEC_2X32GB) | defaults(CHANGED_2X32GB)
+    # the prefill chunk and staging: the reference settings unless the shell sets them
+    longer = flags(args, {"MAX_NUM_BATCHED_TOKENS": "8192"})
+    assert longer["--max-num-batched-tokens"] == "8192"
     # the SPEC's flags in the SPEC's order, the model name first
     assert [a for a in args if a.startswith("--")][1:] == [
         a for a in SPEC_2X32GB if a.startswith("--")
@@ -119,13 +129,17 @@ def test_2x32GB_serves_the_spec_settings(repo_root):
     assert substitute(cold, {"COLD_FILE": "/cold/2GiB.json"}) == "/cold/2GiB.json"
     one_table = svc["environment"]["VLLM_EXPERT_ONE_TABLE"]  # offload-03: opt-in
     assert substitute(one_table, {}) == "0" and substitute(one_table, {"ONE_TABLE": "1"}) == "1"
+    staging = svc["environment"]["VLLM_EXPERT_PREFILL_STAGING"]  # experimental: opt-in
+    assert substitute(staging, {}) == "0"
+    assert substitute(staging, {"PREFILL_STAGING": "1"}) == "1"
 
 
 @pytest.mark.parametrize("name", list(SPEC_OTHERS))
 def test_other_topologies_change_only_what_the_spec_says(repo_root, name):
     svc = service(repo_root / f"compose/{name}.yml")
-    expected = flags(SPEC_2X32GB) | CHANGED_2X32GB | SPEC_OTHERS[name]
-    assert flags(svc["command"][1:]) == expected
+    expected = flags(SPEC_2X32GB) | defaults(CHANGED_2X32GB) | SPEC_OTHERS[name]
+    assert flags(svc["command"][1:], {}) == expected
+    assert substitute(svc["environment"]["VLLM_EXPERT_PREFILL_STAGING"], {}) == "0"
 
 
 @pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])

@@ -127,7 +127,6 @@ def plot(doc: dict, path) -> bool:
     configuration (whiskers: each repeat against unpatched's median), its host reads per
     token written above. False (nothing written) when the run had no streams."""
     got = [r for r in doc.get("streams") or [] if r["config"] != "unpatched"]
-    counts = sorted({r["streams"] for r in got})
     if not got:
         return False
     import matplotlib
@@ -137,6 +136,7 @@ def plot(doc: dict, path) -> bool:
 
     from .bench.report import save_figure
 
+    counts = sorted({r["streams"] for r in got})
     variants = list(dict.fromkeys(r["variant"] for r in got))
     width = 0.8 / len(variants)
     fig, ax = plt.subplots(figsize=(8, 4.5))

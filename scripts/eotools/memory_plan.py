@@ -70,11 +70,11 @@ ALLOWANCE_GIB_PER_CHUNK_TOKEN = 0.7 / (2048 - 512)
 # taken from the RTX 3090/4090's 24,576 MiB.
 REPORTED_MIB = {32: 32607, 24: 24576}
 DRIVER_MARGIN_GIB = 32607 / 1024 - 31.4
-# vLLM's own processes besides the host experts (API server, one worker per GPU: CUDA context,
-# torch, pinned staging buffers): the preflight's estimate (eotools/preflight.py).
 # PCIe Gen5 x16 host-to-device copy bandwidth, for prefill staging's per-chunk copy (the H200
 # reference host measured 55.3 GB/s, bench/results/2026-12-01-host-read-h200.md)
 COPY_GBPS = 50.0
+# vLLM's own processes besides the host experts (API server, one worker per GPU: CUDA context,
+# torch, pinned staging buffers): the preflight's estimate (eotools/preflight.py).
 HOST_RESERVE_GIB_BASE = 2.0
 HOST_RESERVE_GIB_PER_GPU = 3.0
 

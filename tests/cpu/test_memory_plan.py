@@ -6,6 +6,7 @@ safetensors files the test writes (sizes read from the headers only)."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import struct
 import subprocess
@@ -353,12 +354,14 @@ def test_mixed_folders_and_bad_files_are_named(tmp_path):
 # --- the command line -------------------------------------------------------------------------
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """scripts/memory-plan ARGS, with `env` added to this process's environment."""
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts/memory-plan"), *args],
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -376,13 +379,9 @@ def test_cli_help_and_exit_codes(tmp_path):
 
 
 def test_cli_json_and_env_partition(tmp_path):
-    import os
-
-    env = dict(os.environ, VLLM_PP_LAYER_PARTITION="25,23")
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/memory-plan"), str(TARGET / "config.json"),
-         "--pp-size", "2", "--vram-gib", "40", "--max-model-len", "4096", "--json"],
-        capture_output=True, text=True, timeout=120, env=env,
+    r = run(
+        str(TARGET / "config.json"), "--pp-size", "2", "--vram-gib", "40", "--max-model-len",
+        "4096", "--json", env={"VLLM_PP_LAYER_PARTITION": "25,23"},
     )  # fmt: skip
     doc = json.loads(r.stdout)
     assert [c["layers"] for c in doc["cards"]] == ["0-24", "25-47"]
@@ -394,14 +393,9 @@ def test_the_shell_sets_the_compose_files_variables_as_compose_does():
     """PREFILL_STAGING=1 MAX_NUM_BATCHED_TOKENS=8192 on 2x32GB: the staging slots and the
     larger chunk's activations do not fit at the default 7 GiB per card; the plan says how
     much to put on host, and with that much it fits (what compose/README.md tells users)."""
-    import os
 
     def plan(**env: str) -> tuple[int, dict]:
-        r = subprocess.run(
-            [sys.executable, str(ROOT / "scripts/memory-plan"), str(TARGET), "--topology",
-             "2x32GB", "--json"],
-            capture_output=True, text=True, timeout=120, env={**os.environ, **env},
-        )  # fmt: skip
+        r = run(str(TARGET), "--topology", "2x32GB", "--json", env=env)
         return r.returncode, json.loads(r.stdout)
 
     rc, base = plan()
@@ -418,11 +412,8 @@ def test_the_shell_sets_the_compose_files_variables_as_compose_does():
     )
     assert rc == 0 and all(c["fits"] for c in enough["cards"])
     # the per-chunk copy it implies, and that activations past chunk 2048 are extrapolated
-    env = {**os.environ, "PREFILL_STAGING": "1", "MAX_NUM_BATCHED_TOKENS": "8192"}
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/memory-plan"), str(TARGET), "--topology", "2x32GB"],
-        capture_output=True, text=True, timeout=120, env={**env, "HOST_BUDGET_GIB": "10.6"},
-    )  # fmt: skip
+    env = {"PREFILL_STAGING": "1", "MAX_NUM_BATCHED_TOKENS": "8192", "HOST_BUDGET_GIB": "10.6"}
+    r = run(str(TARGET), "--topology", "2x32GB", env=env)
     host = 10.6 * GiB // EXPERT * EXPERT
     assert f"({host / GiB:.2f} GiB) once per chunk of 8192 tokens" in r.stdout
     assert f"about {host / 50e9 * 1e3:.0f} ms at 50 GB/s" in r.stdout

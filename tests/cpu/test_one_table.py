@@ -244,3 +244,51 @@ def test_merge_moves_the_highest_id_gpu_experts_into_host_rows(loaded):
     assert asked == [11, 11]
     assert table.row_to_expert[table.gpu_rows] == max(gpu)
     assert module.w13_weight[:, 0, 0].tolist() == gpu + COLD  # values = expert id
+
+
+def test_a_refused_or_failed_merge_is_named_in_the_start_up_line(loaded, monkeypatch):
+    """A layer asked to be one table that keeps two tables (the host-mapping probe refused,
+    or its merge failed) runs as offload-02; the start-up line that says which path is
+    active counts those layers apart and says why, once per reason."""
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, processing, vmm
+
+    runner, _ = loaded
+    module = runner.routed_experts
+    monkeypatch.setattr(processing, "records", {})
+    split = "split experts (VLLM_EXPERT_COLD_FILE)"
+    processing.records[module.layer_name] = processing.LayerRecord(split, E, 3, 30, 90)
+    monkeypatch.setattr(
+        processing, "_one_table_refusal", lambda index: "the host-mapping probe failed: refused"
+    )
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    processing._merge_into_one_table(module, torch.device("cuda", 0))
+    assert "one_table" not in module.__dict__
+    assert processing.records[module.layer_name].fallback.startswith("the host-mapping probe")
+
+    def refuse(*args, **kwargs):
+        raise vmm.VmmError("cuMemCreate[host] failed with an injected error")
+
+    monkeypatch.setattr(processing, "_one_table_refusal", lambda index: None)
+    monkeypatch.setattr(one_table, "merge", refuse)
+    monkeypatch.setattr(vmm, "granularity", lambda device: 2 << 20)
+    other = processing.LayerRecord(split, E, 3, 30, 90)
+    processing.records["other"] = other
+    module.layer_name, name = "other", module.layer_name
+    try:
+        processing._merge_into_one_table(module, torch.device("cuda", 0))
+    finally:
+        module.layer_name = name
+    assert other.fallback == "cuMemCreate[host] failed with an injected error"
+
+    records = list(processing.records.values())
+    merged = processing.LayerRecord("one table (VLLM_EXPERT_ONE_TABLE)", E, 3, 30, 90)
+    line = processing._active_paths([*records, merged, merged])
+    assert line.count(";") == 2  # three groups: two reasons, and the merged layers
+    assert "one table (VLLM_EXPERT_ONE_TABLE) in 2 layers" in line
+    assert (
+        "split experts (VLLM_EXPERT_COLD_FILE), as the driver or the merge refused one "
+        "table: the host-mapping probe failed: refused in 1 layers"
+    ) in line
+    assert "cuMemCreate[host] failed with an injected error in 1 layers" in line
+    # one path, no fallback: the line as before
+    assert processing._active_paths([merged]) == "one table (VLLM_EXPERT_ONE_TABLE)"

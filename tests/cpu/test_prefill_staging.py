@@ -20,6 +20,7 @@ import pytest
 import torch
 
 MIN_TOKENS = 64
+TOP_K = 2
 
 
 class Recorder:
@@ -77,6 +78,7 @@ def host_table(seed: int, experts: int) -> torch.nn.Module:
         host.register_parameter(name, torch.nn.Parameter(view, requires_grad=False))
     host.activation = "silu"
     host._expert_offload_arena = arena
+    host.local_num_experts, host.top_k = experts, TOP_K
     return host
 
 
@@ -115,26 +117,20 @@ def test_slots_fit_the_largest_layer_and_small_batches_read_host_memory(staging)
 def test_each_layer_is_copied_once_one_layer_ahead(staging):
     s, rec, hosts = staging
     names = list(hosts)
-    view = s.staged(names[0], 2048)
-    # layer 0 copied and waited for; layer 1's copy queued to overlap layer 0's compute
-    assert s.copies == 2
-    assert rec.calls == [
-        ("new_stream",),
-        ("side_waits_main",),
-        ("copy_done",),
-        ("main_waits_copy",),
-        ("side_waits_main",),
-        ("copy_done",),
-    ]
+    # layer 0's copy was not queued ahead: one issued now would overlap nothing, so
+    # this forward reads host memory, and only layer 1's copy is queued
+    assert s.staged(names[0], 2048) is None
+    assert s.copies == 1 and s.unstaged == 1
+    assert rec.calls == [("new_stream",), ("side_waits_main",), ("copy_done",)]
     for name in names[1:]:
         before = len(rec.calls)
         view = s.staged(name, 2048)
         new = rec.calls[before:]
-        # this layer's copy was queued by the layer before: only a wait for it
-        assert new[0] == ("main_waits_copy",)
         # the next layer's copy, after every kernel queued so far (the slot's last
         # reader); after the last layer, the first layer's, for the next chunk
-        assert new[1:] == [("side_waits_main",), ("copy_done",)]
+        assert new[:2] == [("side_waits_main",), ("copy_done",)]
+        # then this layer's copy, queued by the layer before: only a wait for it
+        assert new[2:] == [("main_waits_copy",)]
         host = hosts[name]
         for param in ("w13_weight", "w2_weight"):
             assert torch.equal(getattr(view, param), getattr(host, param))
@@ -142,7 +138,7 @@ def test_each_layer_is_copied_once_one_layer_ahead(staging):
             assert getattr(view, param).data_ptr() != getattr(host, param).data_ptr()
         # the scales reach the kernel through its quantisation config, from host memory
         assert view.w13_scales is host.w13_scales and view.activation == "silu"
-    assert s.copies == len(names) + 1
+    assert s.copies == len(names) and s.unstaged == 1
     assert s.held == [names[0], names[3]]
     # layer i reads slot i % 2
     slots = [s._slots[i % 2].data_ptr() for i in range(len(names))]
@@ -154,14 +150,14 @@ def test_the_next_chunk_finds_its_first_layer_in_its_slot(staging):
     names = list(hosts)
     for name in names:
         s.staged(name, 1024)
-    assert s.copies == 5 and s.held == [names[0], names[3]]
+    assert s.copies == 4 and s.held == [names[0], names[3]]
     before = len(rec.calls)
-    view = s.staged(names[0], 1024)  # queued by the last layer: only a wait, then layer 1
-    assert rec.calls[before:] == [("main_waits_copy",), ("side_waits_main",), ("copy_done",)]
-    assert s.copies == 6
+    view = s.staged(names[0], 1024)  # queued by the last layer: layer 1 ahead, a wait
+    assert rec.calls[before:] == [("side_waits_main",), ("copy_done",), ("main_waits_copy",)]
+    assert s.copies == 5 and s.unstaged == 1  # only the very first forward's layer 0
     assert torch.equal(view.w2_weight, hosts[names[0]].w2_weight)
     s.staged(names[1], 1024)
-    assert s.copies == 7  # layer 2 into slot 0, ahead
+    assert s.copies == 6  # layer 2 into slot 0, ahead
 
 
 def test_an_odd_number_of_layers_does_not_copy_the_first_after_the_last(monkeypatch):
@@ -178,18 +174,41 @@ def test_an_odd_number_of_layers_does_not_copy_the_first_after_the_last(monkeypa
     for name in names:
         s.staged(name, 1024)
     # layers 0 and 2 share slot 0: layer 0 may not overwrite it while layer 2 runs
-    assert s.copies == 3 and s.held == [names[2], names[1]]
-    s.staged(names[0], 1024)
-    assert s.copies == 4  # layer 0 now; layer 1 is still in slot 1
+    assert s.copies == 2 and s.held == [names[2], names[1]]
+    assert s.staged(names[0], 1024) is None  # not queued ahead: read from host memory
+    assert s.copies == 2 and s.unstaged == 2  # layer 1 is still in slot 1
 
 
 def test_a_layer_still_in_its_slot_is_not_copied_again(staging):
     s, rec, hosts = staging
     names = list(hosts)
-    s.staged(names[2], 4096)
-    assert s.copies == 2  # layers 2 and 3
-    s.staged(names[2], 4096)
+    assert s.staged(names[2], 4096) is None  # not queued ahead; layer 3's copy is
+    assert s.copies == 1
+    s.staged(names[3], 4096)
+    assert s.copies == 2  # layer 0 ahead, for the next chunk
+    assert s.staged(names[3], 4096) is not None
     assert s.copies == 2  # both still held
+
+
+def test_a_chunk_that_picks_fewer_experts_than_the_host_holds_is_not_staged(monkeypatch):
+    """The copy moves every host expert of the layer; a forward whose tokens make fewer
+    picks (tokens x top-k) than that reads fewer through UVA, so it is not staged, even
+    above the minimum size."""
+    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
+        PrefillStaging,
+    )
+
+    rec = Recorder()
+    rec.install(monkeypatch)
+    s = PrefillStaging(MIN_TOKENS)
+    names = [f"layers.{i}.mlp.experts" for i in range(2)]
+    for i, name in enumerate(names):
+        s.register(host_table(i, 300), name)  # 300 host experts, top-2: 150 tokens
+    assert not s.pays(names[0], 149) and s.pays(names[0], 150)
+    assert s.staged(names[0], 149) is None and s.staged(names[1], 149) is None
+    assert s.copies == 0 and rec.calls == []  # nothing queued for forwards that lose
+    assert s.staged(names[0], 150) is None and s.copies == 1  # layer 1 queued ahead
+    assert s.staged(names[1], 150) is not None
 
 
 def test_nothing_is_staged_while_a_cuda_graph_is_captured(staging):

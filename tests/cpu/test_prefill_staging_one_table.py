@@ -59,9 +59,10 @@ def layer(name: str, rows: int = 64, gpu_rows: int = 56, whole: tuple[str, ...] 
 
     w13, w2 = table("w13", W13_ROW), table("w2", W2_ROW)
     module = types.SimpleNamespace(
-        layer_name=name, w13_weight=_Weight(w13, W13_ROW), w2_weight=_Weight(w2, W2_ROW)
+        layer_name=name, w13_weight=_Weight(w13, W13_ROW), w2_weight=_Weight(w2, W2_ROW), top_k=2
     )
-    return module, types.SimpleNamespace(owners=[w13, w2, object()]), (w13, w2)
+    one = types.SimpleNamespace(owners=[w13, w2, object()], host_rows=rows - gpu_rows)
+    return module, one, (w13, w2)
 
 
 def _close(*tables) -> None:
@@ -199,23 +200,24 @@ def test_a_swap_decision_makes_the_next_prefill_copy_again(staging, fake, monkey
     for module, table, _ in layers:
         s.register(module, table)
     names = [m.layer_name for m, _, _ in layers]
-    view = s.staged(names[0], 4096)
-    assert isinstance(view.w13_weight, View) and view.layer_name == names[0]
-    s.staged(names[1], 4096)
-    # layer 0, then layer 1 ahead (layer 0 is still in its slot for the next chunk):
-    # each weight's host rows, from the table's host part into the slot of its parity
+    assert s.staged(names[0], 4096) is None  # nothing queued ahead: reads host rows
+    view = s.staged(names[1], 4096)
+    assert isinstance(view.w13_weight, View) and view.layer_name == names[1]
+    # layer 1 ahead of its forward, then layer 0 for the next chunk: each weight's host
+    # rows, from the table's host part into the slot of its parity
     assert s.copies == 2 and len(copies) == 4
     w13, w2 = layers[1][2]
-    assert copies[2:4] == [
+    assert copies[0:2] == [
         (s._blocks[1][0].ptr, w13.ptr + w13.gpu_bytes, w13.nbytes - w13.gpu_bytes),
         (s._blocks[1][1].ptr, w2.ptr + w2.gpu_bytes, w2.nbytes - w2.gpu_bytes),
     ]
-    s.staged(names[0], 4096)
-    s.staged(names[1], 4096)
+    assert s.staged(names[0], 4096) is not None
+    assert s.staged(names[1], 4096) is not None
     assert s.copies == 2  # both still held: the next prefill copies nothing
     runtime.decisions += 1  # rows may have moved: what the slots hold is stale
-    s.staged(names[0], 4096)
-    assert s.copies == 4  # layer 0 copied again, and layer 1 ahead
+    assert s.staged(names[0], 4096) is None  # stale: host rows, and layer 1 ahead
+    assert s.copies == 3
+    assert s.staged(names[1], 4096) is not None and s.copies == 4
     s.close()
     for _, _, tables in layers:
         _close(*tables)

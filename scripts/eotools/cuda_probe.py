@@ -24,6 +24,21 @@ from dataclasses import dataclass
 from typing import Any
 
 PROBE_BYTES = 4 << 20
+# the series' fault injection (tests only): the named VMM driver calls fail on purpose, in
+# vLLM and here alike, so that the preflight predicts what vLLM will do
+FAIL_AT_ENV = "VLLM_EXPERT_VMM_FAIL_AT"
+# the labels vLLM's VMM wrapper gives the calls of its host-mapping probe (a host-only
+# range); the calls only a layer's merge makes (its VRAM part) or prefill staging's
+# second mapping make come after it
+PROBE_LABELS = {
+    "cuMemGetAllocationGranularity": "cuMemGetAllocationGranularity[host]",
+    "cuMemCreate": "cuMemCreate[host]",
+    "cuMemAddressReserve": "cuMemAddressReserve",
+    "cuMemMap": "cuMemMap[host]",
+    "cuMemSetAccess": "cuMemSetAccess[host]",
+}
+MERGE_LABELS = ("cuMemCreate[device]", "cuMemMap[device]", "cuMemSetAccess[device]")
+ALIAS_LABELS = ("cuMemMap[alias]", "cuMemSetAccess[alias]")
 PAGE = 4096
 _HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # the flags host_memory.HostArena uses
 _PATTERN = 0x5A
@@ -184,8 +199,12 @@ def probe_vmm_host_numa(drv: Any | None = None, device: int = 0) -> Probe:
     if drv is None:
         return Probe(name, None, "not tried: cuda.bindings.driver (cuda-python) is not installed")
     cleanup: list[tuple[Any, tuple]] = []
+    injected = injected_failures()
 
     def call(fn: str, *args: Any) -> Any:
+        label = PROBE_LABELS.get(fn, fn)
+        if label in injected or fn in injected:
+            raise _DriverError(label, f"an injected error, {FAIL_AT_ENV}")
         out = getattr(drv, fn)(*args)
         err, rest = out[0], out[1:]
         if _code(err) != 0:
@@ -237,6 +256,17 @@ def probe_vmm_host_numa(drv: Any | None = None, device: int = 0) -> Probe:
             # best effort: the process exits right after the preflight anyway
             with contextlib.suppress(Exception):
                 getattr(drv, fn)(*args)
+
+
+def injected_failures(environ: dict[str, str] | None = None) -> set[str]:
+    """The driver calls VLLM_EXPERT_VMM_FAIL_AT makes fail (labels or bare names)."""
+    env = os.environ if environ is None else environ
+    return {n.strip() for n in env.get(FAIL_AT_ENV, "").split(",") if n.strip()}
+
+
+def fails_at(labels: tuple[str, ...], injected: set[str]) -> list[str]:
+    """Which of these labelled calls the injected set names, by label or bare name."""
+    return [x for x in labels if x in injected or x.split("[", 1)[0] in injected]
 
 
 class _DriverError(RuntimeError):

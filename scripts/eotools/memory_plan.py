@@ -77,6 +77,16 @@ COPY_GBPS = 50.0
 # torch, pinned staging buffers): the preflight's estimate (eotools/preflight.py).
 HOST_RESERVE_GIB_BASE = 2.0
 HOST_RESERVE_GIB_PER_GPU = 3.0
+# One table (VLLM_EXPERT_ONE_TABLE=1) rounds each tensor's VRAM part to the driver's 2 MiB
+# and gives up GPU rows until its VRAM is no more than the cold set's GPU experts: about two
+# more experts per layer live on host (2 of 461 at 10% host on the target geometry), none
+# more in VRAM.
+ONE_TABLE_EXTRA_HOST_EXPERTS = 2
+# The runtime swap's device state per MoE layer and expert: decayed pick counts (fp32), the
+# expert -> row and row -> expert maps (int32 each).
+SWAP_BYTES_PER_LAYER_EXPERT = 12
+# VLLM_EXPERT_PREFILL_STAGING_MIN_TOKENS's default: smaller forwards are never staged
+STAGING_MIN_TOKENS = 2048
 
 TORCH_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -493,6 +503,7 @@ class Serving:
     host_gib_per_card: float
     layer_partition: list[int] | None
     prefill_staging: bool = False  # VLLM_EXPERT_PREFILL_STAGING=1
+    one_table: bool = False  # VLLM_EXPERT_ONE_TABLE=1: one table with the runtime swap
 
 
 def usable_vram_bytes(vram_gib: float) -> int:
@@ -622,6 +633,8 @@ class Card:
     usable: int | None
     min_host_gib: float  # routed experts that must leave VRAM for this card to fit
     staging: int = 0  # prefill staging's two VRAM slots
+    swap: int = 0  # the runtime swap's counters and maps
+    one_table_host: int = 0  # experts one table keeps on host beyond the budget
 
     @property
     def fits(self) -> bool:
@@ -684,6 +697,46 @@ def host_needed(resident: int, usable: int, moe_layers: int, expert_bytes: int, 
     return need
 
 
+def one_table_bytes(
+    host: int, experts: int, moe_layers: int, expert_bytes: int, num_experts: int, s: Serving
+) -> tuple[int, int]:
+    """One table's cost on one rank: the runtime swap's VRAM, and the host bytes of the
+    experts it keeps on host beyond the budget (VRAM rounding; none while nothing is on
+    host, and never more than the stage has)."""
+    if not s.one_table or not host or not moe_layers:
+        return 0, 0
+    swap = SWAP_BYTES_PER_LAYER_EXPERT * moe_layers * num_experts
+    extra = min(ONE_TABLE_EXTRA_HOST_EXPERTS * moe_layers * expert_bytes, experts - host)
+    return swap, extra
+
+
+def path_line(s: Serving) -> str:
+    """Which offload path the settings start, and what each part costs."""
+    if not s.host_gib_per_card:
+        return "offload path: none (no routed experts on host)"
+    if not s.one_table:
+        path = "split experts (offload-02, VLLM_EXPERT_ONE_TABLE=0): two tables per layer"
+    else:
+        path = (
+            "one table with the runtime swap (offload-03, VLLM_EXPERT_ONE_TABLE=1): about "
+            f"{ONE_TABLE_EXTRA_HOST_EXPERTS} more experts per layer on host, the swap's "
+            "counters in VRAM; where the driver refuses the host mapping, layers fall back to "
+            "split experts (the preflight's host-mapping check says so before start-up)"
+        )
+    if s.prefill_staging and s.max_num_batched_tokens < STAGING_MIN_TOKENS:
+        path += (
+            f"; prefill staging is on, but chunks of {s.max_num_batched_tokens} tokens are "
+            f"below its {STAGING_MIN_TOKENS}-token minimum, so its two VRAM slots buy "
+            "nothing: set VLLM_EXPERT_PREFILL_STAGING=0 (PREFILL_STAGING=0)"
+        )
+    elif s.prefill_staging:
+        path += (
+            f"; prefill staging for chunks of {s.max_num_batched_tokens} tokens "
+            "(VLLM_EXPERT_PREFILL_STAGING=1): two VRAM slots of a layer's host experts"
+        )
+    return "offload path: " + path
+
+
 def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") -> Plan:
     try:
         stages = stage_layers(shape.num_layers, s.pp_size, s.layer_partition)
@@ -729,7 +782,8 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
         allowance = allowance_bytes(s)
         moe_layers = sum(1 for p in per if p[EXPERTS])
         staging = staging_bytes(host, moe_layers, eb, s)
-        resident = experts + other + ple_vram + kv_budget + buffers + allowance
+        swap, extra = one_table_bytes(host, experts, moe_layers, eb, shape.num_experts, s)
+        resident = experts + other + ple_vram + kv_budget + buffers + allowance + swap
         vram = resident - host + staging
         usable = s.usable_vram_bytes
         need_host = (
@@ -753,9 +807,11 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
                 usable=usable,
                 min_host_gib=need_host,
                 staging=staging,
+                swap=swap,
+                one_table_host=extra,
             )
         )
-    host_experts = sum(c.host_experts for c in cards)
+    host_experts = sum(c.host_experts + c.one_table_host for c in cards)
     host_ple = sum(c.ple_table for c in cards) if s.ple_table == "host" else 0
     reserve = int((HOST_RESERVE_GIB_BASE + HOST_RESERVE_GIB_PER_GPU * s.pp_size) * GiB)
     if budget and not weights.expert_bytes:
@@ -766,6 +822,7 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
             "series' PP-with-PLE patch is needed"
         )
     most = max((c.host_experts for c in cards), default=0)
+    notes.append(path_line(s))
     if s.prefill_staging and most:
         ms = most / (COPY_GBPS * 1e9) * 1e3
         notes.append(
@@ -830,6 +887,8 @@ def render_markdown(p: Plan) -> str:
     row("+ activations, CUDA graphs, workspace", [_g(c.allowance) for c in p.cards])
     if s.prefill_staging:
         row("+ prefill staging slots", [_g(c.staging) for c in p.cards])
+    if s.one_table:
+        row("+ runtime swap counters", [_g(c.swap) for c in p.cards])
     row("**VRAM**", [f"**{_g(c.vram)}**" for c in p.cards])
     row(
         "usable VRAM",
@@ -845,7 +904,8 @@ def render_markdown(p: Plan) -> str:
         "",
         "| host RAM | GiB |",
         "|---|---:|",
-        f"| routed experts on host (all cards) | {_g(p.host_experts)} |",
+        f"| routed experts on host (all cards{', one table included' if s.one_table else ''})"
+        f" | {_g(p.host_experts)} |",
         f"| PLE n-gram table | {_g(p.host_ple_table)} |",
         f"| vLLM's processes, pinned staging (preflight estimate) | {_g(p.host_reserve)} |",
         f"| **total** | **{_g(p.host_total)}** |",
@@ -969,10 +1029,16 @@ def build_serving(args: argparse.Namespace) -> Serving:
         ple_table=args.ple_table or env.get("VLLM_PLE_TABLE") or "gpu",
         host_gib_per_card=host,
         layer_partition=parts,
-        prefill_staging=bool(
-            args.prefill_staging or env.get("VLLM_EXPERT_PREFILL_STAGING", "0") not in ("", "0")
-        ),
+        prefill_staging=_on(args.prefill_staging, env.get("VLLM_EXPERT_PREFILL_STAGING")),
+        one_table=_on(args.one_table, env.get("VLLM_EXPERT_ONE_TABLE")),
     )
+
+
+def _on(flag: bool | None, env_value: str | None) -> bool:
+    """A switch from its flag (--x / --no-x), else the compose file's variable."""
+    if flag is not None:
+        return flag
+    return (env_value or "0") not in ("", "0")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1013,8 +1079,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--layer-partition", help="VLLM_PP_LAYER_PARTITION, e.g. 25,23")
     ap.add_argument(
         "--prefill-staging",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         help="count prefill staging's VRAM (VLLM_EXPERT_PREFILL_STAGING=1; default: the "
+        "compose file's)",
+    )
+    ap.add_argument(
+        "--one-table",
+        action=argparse.BooleanOptionalAction,
+        help="count one table with the runtime swap (VLLM_EXPERT_ONE_TABLE=1; default: the "
         "compose file's)",
     )
     ap.add_argument("--config-only", action="store_true", help="ignore safetensors files")

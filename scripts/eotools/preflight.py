@@ -114,6 +114,9 @@ class Setup:
     host_layers: str = ""
     pp_partition: str = ""
     ple_table: str = "gpu"  # VLLM_PLE_TABLE: "host" puts Qwen4Exp's n-gram tables in host memory
+    one_table: bool = False  # VLLM_EXPERT_ONE_TABLE=1: offload-03 with the runtime swap
+    prefill_staging: bool = False  # VLLM_EXPERT_PREFILL_STAGING=1
+    vmm_fail_at: set[str] = field(default_factory=set)  # VLLM_EXPERT_VMM_FAIL_AT (tests)
     meminfo: pathlib.Path = pathlib.Path("/proc/meminfo")
     cgroup_root: pathlib.Path = pathlib.Path("/sys/fs/cgroup")
     site: pathlib.Path | None = None  # where the vllm package is installed; None: find it
@@ -526,9 +529,57 @@ def check_host_mapping(setup: Setup) -> list[Result]:
             else:
                 out.append(Result("host-mapping", "ok", f"{p.name}: {p.detail}"))
         else:
-            status = "ok" if p.works else ("skip" if p.works is None else "warn")
-            note = "" if p.works else "; offload-03's one table falls back to split experts"
-            out.append(Result("host-mapping", status, f"{p.name}: {p.detail}{note}"))
+            out.append(vmm_result(setup, p))
+    out.extend(injected_results(setup))
+    return out
+
+
+def vmm_result(setup: Setup, p: cuda_probe.Probe) -> Result:
+    """What the host-NUMA mapping probe means for the path vLLM will run."""
+    status = "ok" if p.works else ("skip" if p.works is None else "warn")
+    if not setup.one_table:
+        note = "" if p.works else "; offload-03's one table falls back to split experts"
+    elif p.works:
+        note = "; VLLM_EXPERT_ONE_TABLE=1: split layers will run as one table (offload-03)"
+    elif p.works is False:
+        note = (
+            "; VLLM_EXPERT_ONE_TABLE=1, but vLLM's own probe will be refused the same way: "
+            "every split layer will keep two tables (offload-02, correct but slower), and "
+            "its start-up line will say so"
+        )
+    else:
+        note = "; vLLM probes again at start-up and says which path runs"
+    return Result("host-mapping", status, f"{p.name}: {p.detail}{note}")
+
+
+def injected_results(setup: Setup) -> list[Result]:
+    """Fault injection (VLLM_EXPERT_VMM_FAIL_AT) of the calls that come after the probe:
+    what each will make vLLM do."""
+    out = []
+    merge = cuda_probe.fails_at(cuda_probe.MERGE_LABELS, setup.vmm_fail_at)
+    if setup.one_table and merge:
+        out.append(
+            Result(
+                "host-mapping",
+                "warn",
+                f"{cuda_probe.FAIL_AT_ENV} fails {', '.join(merge)}: every split layer's "
+                "merge into one table will fail, and each will keep two tables (offload-02), "
+                "with one log line per layer",
+                f"unset {cuda_probe.FAIL_AT_ENV} (it is for tests)",
+            )
+        )
+    alias = cuda_probe.fails_at(cuda_probe.ALIAS_LABELS, setup.vmm_fail_at)
+    if setup.one_table and setup.prefill_staging and alias:
+        out.append(
+            Result(
+                "host-mapping",
+                "warn",
+                f"{cuda_probe.FAIL_AT_ENV} fails {', '.join(alias)}: prefill staging will "
+                "be off for one-table layers (their prefill reads host rows over PCIe), "
+                "with one log line",
+                f"unset {cuda_probe.FAIL_AT_ENV} (it is for tests)",
+            )
+        )
     return out
 
 
@@ -661,6 +712,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_layers=args.host_layers,
         pp_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
         ple_table=args.ple_table,
+        one_table=os.environ.get("VLLM_EXPERT_ONE_TABLE", "0") == "1",
+        prefill_staging=os.environ.get("VLLM_EXPERT_PREFILL_STAGING", "0") == "1",
+        vmm_fail_at=cuda_probe.injected_failures(),
         meminfo=args.meminfo,
         cgroup_root=args.cgroup_root,
         site=args.site,

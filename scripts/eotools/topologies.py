@@ -33,8 +33,8 @@ class Topology:
 TOPOLOGIES: dict[str, Topology] = {
     t.name: t
     for t in (
-        Topology("2x32GB", 2, 2, 32, "two 32 GB cards (RTX 5090), PP=2, 7 GiB/card on host"),
-        Topology("3x24GB", 3, 3, 24, "three 24 GB cards (RTX 3090/4090), PP=3, 3.5 GiB/card"),
+        Topology("2x32GB", 2, 2, 32, "two 32 GB cards (RTX 5090), PP=2, 7.6 GiB/card on host"),
+        Topology("3x24GB", 3, 3, 24, "three 24 GB cards (RTX 3090/4090), PP=3, 4.0 GiB/card"),
         Topology("2x24GB", 2, 2, 24, "two 24 GB cards (RTX 3090/4090), PP=2, 14 GiB/card"),
         Topology("tiny", 1, 1, None, "one GPU of any size, a synthetic model made at start"),
     )

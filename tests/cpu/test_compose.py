@@ -41,8 +41,12 @@ SPEC_OTHERS = {
     "3x24GB": {"--pipeline-parallel-size": "3", "--kv-cache-memory-bytes": "2400000000"},
     "2x24GB": {"--pipeline-parallel-size": "2", "--max-num-batched-tokens": "512"},
 }
-# routed experts per card on host: what each card needs with that KV (memory-plan)
-HOST_BUDGET_GIB = {"2x32GB": "7", "3x24GB": "3.5", "2x24GB": "14"}
+# routed experts per card on host: what each card needs with that KV and the default path's
+# prefill staging slots (memory-plan), plus a margin for the estimate
+HOST_BUDGET_GIB = {"2x32GB": "7.6", "3x24GB": "4.0", "2x24GB": "14"}
+# the default path: one table with the runtime swap everywhere; prefill staging where the
+# prefill chunk reaches its 2048-token minimum (2x24GB's 512-token chunks never do)
+DEFAULT_STAGING = {"2x32GB": "1", "3x24GB": "1", "2x24GB": "0"}
 
 
 @pytest.fixture(scope="session")
@@ -127,11 +131,11 @@ def test_2x32GB_serves_the_spec_settings(repo_root):
     # unset by default: a budget-only start; a COLD_FILE that names no file stops the start
     assert substitute(cold, {}) == ""
     assert substitute(cold, {"COLD_FILE": "/cold/2GiB.json"}) == "/cold/2GiB.json"
-    one_table = svc["environment"]["VLLM_EXPERT_ONE_TABLE"]  # offload-03: opt-in
-    assert substitute(one_table, {}) == "0" and substitute(one_table, {"ONE_TABLE": "1"}) == "1"
-    staging = svc["environment"]["VLLM_EXPERT_PREFILL_STAGING"]  # experimental: opt-in
-    assert substitute(staging, {}) == "0"
-    assert substitute(staging, {"PREFILL_STAGING": "1"}) == "1"
+    one_table = svc["environment"]["VLLM_EXPERT_ONE_TABLE"]  # offload-03 by default
+    assert substitute(one_table, {}) == "1" and substitute(one_table, {"ONE_TABLE": "0"}) == "0"
+    staging = svc["environment"]["VLLM_EXPERT_PREFILL_STAGING"]  # on by default here
+    assert substitute(staging, {}) == "1"
+    assert substitute(staging, {"PREFILL_STAGING": "0"}) == "0"
 
 
 @pytest.mark.parametrize("name", list(SPEC_OTHERS))
@@ -139,7 +143,47 @@ def test_other_topologies_change_only_what_the_spec_says(repo_root, name):
     svc = service(repo_root / f"compose/{name}.yml")
     expected = flags(SPEC_2X32GB) | defaults(CHANGED_2X32GB) | SPEC_OTHERS[name]
     assert flags(svc["command"][1:], {}) == expected
-    assert substitute(svc["environment"]["VLLM_EXPERT_PREFILL_STAGING"], {}) == "0"
+    env = svc["environment"]
+    assert substitute(env["VLLM_EXPERT_PREFILL_STAGING"], {}) == DEFAULT_STAGING[name]
+    assert substitute(env["VLLM_EXPERT_ONE_TABLE"], {}) == "1"
+
+
+@pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])
+def test_the_default_path_fits_each_card_and_staging_only_where_chunks_reach_it(repo_root, name):
+    """The defaults start one table with the runtime swap, and prefill staging only where the
+    compose file's prefill chunk reaches staging's 2048-token minimum; memory-plan, reading the
+    file as Compose does, finds that every card fits with the default host budget, which is
+    at least what it says each card needs (slots and swap counters included) plus a margin."""
+    from eotools import memory_plan as mp
+
+    compose = repo_root / f"compose/{name}.yml"
+    settings = mp.read_compose(compose)
+    chunk = int(settings["flags"]["--max-num-batched-tokens"])
+    staging = settings["env"]["VLLM_EXPERT_PREFILL_STAGING"]
+    assert staging == ("1" if chunk >= 2048 else "0")
+    rc, plan = run_memory_plan(repo_root, "--compose", str(compose), "--json")
+    assert rc == 0, plan
+    assert plan["serving"]["one_table"] is True
+    assert plan["serving"]["prefill_staging"] is (staging == "1")
+    budget = float(HOST_BUDGET_GIB[name])
+    for card in plan["cards"]:
+        assert card["min_host_gib"] + 0.25 <= budget <= card["min_host_gib"] + 0.5
+        assert (card["staging"] > 0) is (staging == "1")
+        assert 0 < card["swap"] < 1 << 20  # the swap's counters: under 1 MiB
+        assert card["vram"] <= card["usable"] - 0.25 * 2**30
+    assert any("one table with the runtime swap" in n for n in plan["notes"])
+
+
+def run_memory_plan(repo_root: pathlib.Path, *args: str) -> tuple[int, dict]:
+    model = repo_root / "tests/cpu/data/qwen3.8-flash-next-int4"
+    r = subprocess.run(
+        [sys.executable, str(repo_root / "scripts/memory-plan"), str(model), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    return r.returncode, json.loads(r.stdout) if r.stdout.startswith("{") else r.stderr
 
 
 @pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])

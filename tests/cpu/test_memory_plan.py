@@ -163,9 +163,12 @@ def test_prefill_staging_adds_two_slots_of_the_largest_layers_host_experts(targe
     assert off.fits and not on.fits
     assert "+ prefill staging slots | 0.59 | 0.59 |" in mp.render_markdown(on)
     assert "prefill staging" not in mp.render_markdown(off)
-    r = run(str(TARGET), "--topology", "2x32GB", "--prefill-staging", "--json")
+    # the compose file's own budget (7.6 GiB) pays for the slots; 7 GiB does not
+    r = run(str(TARGET), "--topology", "2x32GB", "--json", env={"HOST_BUDGET_GIB": "7"})
     doc = json.loads(r.stdout)
     assert r.returncode == 1 and [c["staging"] for c in doc["cards"]] == [628_531_200] * 2
+    r = run(str(TARGET), "--topology", "2x32GB", "--no-prefill-staging", "--json")
+    assert r.returncode == 0 and [c["staging"] for c in json.loads(r.stdout)["cards"]] == [0, 0]
 
 
 def test_layer_partition_moves_layers_and_what_they_hold(target):
@@ -391,7 +394,7 @@ def test_cli_json_and_env_partition(tmp_path):
 
 def test_the_shell_sets_the_compose_files_variables_as_compose_does():
     """PREFILL_STAGING=1 MAX_NUM_BATCHED_TOKENS=8192 on 2x32GB: the staging slots and the
-    larger chunk's activations do not fit at the default 7 GiB per card; the plan says how
+    larger chunk's activations do not fit at the default 7.6 GiB per card; the plan says how
     much to put on host, and with that much it fits (what compose/README.md tells users)."""
 
     def plan(**env: str) -> tuple[int, dict]:
@@ -400,7 +403,8 @@ def test_the_shell_sets_the_compose_files_variables_as_compose_does():
 
     rc, base = plan()
     assert rc == 0 and base["serving"]["max_num_batched_tokens"] == 2048
-    assert base["serving"]["prefill_staging"] is False
+    assert base["serving"]["prefill_staging"] is True  # the compose default
+    assert plan(PREFILL_STAGING="0")[1]["serving"]["prefill_staging"] is False
     rc, big = plan(PREFILL_STAGING="1", MAX_NUM_BATCHED_TOKENS="8192")
     assert rc == 1 and big["serving"]["max_num_batched_tokens"] == 8192
     assert big["serving"]["prefill_staging"] is True
@@ -430,3 +434,32 @@ def test_every_big_compose_file_fits_the_target(name):
     assert r.returncode == 0, r.stdout
     assert doc["serving"]["ple_table"] == "host"
     assert all(c["kv_fits"] and c["fits"] for c in doc["cards"])
+
+
+def test_one_table_counts_its_swap_counters_and_extra_host_experts(target):
+    """VLLM_EXPERT_ONE_TABLE=1 (the compose default): the runtime swap's counters and maps
+    (12 B per layer and expert: 24 x 512 x 12 = 147,456 B per 2x32GB stage) in VRAM, and
+    about two more experts per MoE layer on host (24 x 2 x one expert per card), which
+    the host RAM total counts; the plan's notes say which path runs."""
+    shape, w = target
+    base = dict(host_gib_per_card=7.6, prefill_staging=True)
+    off = mp.make_plan(shape, w, serving(**base))
+    on = mp.make_plan(shape, w, serving(**base, one_table=True))
+    for a, b in zip(off.cards, on.cards, strict=True):
+        assert (a.swap, b.swap) == (0, 24 * 512 * 12)
+        assert b.vram - a.vram == b.swap
+        assert b.one_table_host == 2 * 24 * w.expert_bytes
+    assert on.host_total - off.host_total == 2 * 2 * 24 * w.expert_bytes
+    assert any("one table with the runtime swap" in n for n in on.notes)
+    assert any("split experts (offload-02" in n for n in off.notes)
+
+
+def test_staging_below_its_minimum_chunk_is_named_as_buying_nothing(target):
+    shape, w = target
+    small = mp.make_plan(
+        shape,
+        w,
+        serving(host_gib_per_card=14, prefill_staging=True, max_num_batched_tokens=512),
+    )
+    [note] = [n for n in small.notes if n.startswith("offload path")]
+    assert "below its 2048-token minimum" in note and "PREFILL_STAGING=0" in note

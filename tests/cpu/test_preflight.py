@@ -513,6 +513,89 @@ def test_vmm_probe_reports_a_refusal_and_still_releases():
     assert drv.calls[-3:] == ["cuMemAddressFree", "cuMemRelease", "cuDevicePrimaryCtxRelease"]
 
 
+# the calls of vLLM's own host-mapping probe (a host-only VMM range), by its labels
+PROBE_STEPS = [
+    ("cuMemGetAllocationGranularity[host]", "cuMemGetAllocationGranularity"),
+    ("cuMemCreate[host]", "cuMemCreate"),
+    ("cuMemAddressReserve", "cuMemAddressReserve"),
+    ("cuMemMap[host]", "cuMemMap"),
+    ("cuMemSetAccess[host]", "cuMemSetAccess"),
+]
+
+
+@pytest.mark.parametrize(("label", "fn"), PROBE_STEPS)
+def test_vmm_probe_fails_where_vllms_fault_injection_would(monkeypatch, label, fn):
+    """VLLM_EXPERT_VMM_FAIL_AT fails the same labelled calls in the preflight's probe as in
+    vLLM's, so the preflight predicts the fallback it injects: the call is not made, what
+    was made is released, and the reason names the label and the setting."""
+    monkeypatch.setenv("VLLM_EXPERT_VMM_FAIL_AT", f"somethingElse,{label}")
+    drv = FakeDriver()
+    p = cuda_probe.probe_vmm_host_numa(drv)
+    assert p.works is False and label in p.detail and "VLLM_EXPERT_VMM_FAIL_AT" in p.detail
+    assert fn not in drv.calls
+    assert drv.calls[-1] == "cuDevicePrimaryCtxRelease"
+    monkeypatch.setenv("VLLM_EXPERT_VMM_FAIL_AT", fn)  # a bare name fails every such call
+    assert cuda_probe.probe_vmm_host_numa(FakeDriver()).works is False
+    # calls only a layer's merge makes leave the probe alone
+    monkeypatch.setenv("VLLM_EXPERT_VMM_FAIL_AT", "cuMemCreate[device],cuMemMap[alias]")
+    assert cuda_probe.probe_vmm_host_numa(FakeDriver()).works is True
+
+
+def _mapping(tmp_path, probe_works: bool | None, **kw) -> list[pf.Result]:
+    probes = [
+        Probe("cudaHostRegister", True, "4 MiB page-locked"),
+        Probe("cuMemCreate(HOST_NUMA)", probe_works, "cuMemCreate failed (CUDA_ERROR_X)"),
+    ]
+    s = setup_for(tmp_path, host_layers="0", query_gpus=gpus(80), probes=lambda: probes, **kw)
+    return only(pf.run_checks(s, ["vllm", "cold-file", "host-memory"]), "host-mapping")
+
+
+def test_the_host_mapping_check_says_which_path_one_table_will_run(tmp_path):
+    ok = _mapping(tmp_path, True, one_table=True)
+    assert [r.status for r in ok] == ["ok", "ok"]
+    assert "split layers will run as one table (offload-03)" in ok[1].message
+    refused = _mapping(tmp_path, False, one_table=True)
+    assert [r.status for r in refused] == ["ok", "warn"]
+    assert "every split layer will keep two tables (offload-02" in refused[1].message
+    untried = _mapping(tmp_path, None, one_table=True)
+    assert untried[1].status == "skip" and "vLLM probes again" in untried[1].message
+
+
+@pytest.mark.parametrize(
+    "label", ["cuMemCreate[device]", "cuMemMap[device]", "cuMemSetAccess[device]", "cuMemMap"]
+)
+def test_injected_merge_failures_are_predicted_per_layer(tmp_path, label):
+    """Calls that only a layer's merge makes (its VRAM part) fail after the probe passed:
+    the check says every split layer will keep two tables, one log line each."""
+    results = _mapping(tmp_path, True, one_table=True, vmm_fail_at={label})
+    warn = [r for r in results if r.status == "warn"]
+    assert len(warn) == 1 and "with one log line per layer" in warn[0].message
+    assert "(offload-02)" in warn[0].message and "VLLM_EXPERT_VMM_FAIL_AT" in warn[0].fix
+    # without one table nothing merges: nothing to predict
+    assert all(r.status == "ok" for r in _mapping(tmp_path, True, vmm_fail_at={label}))
+
+
+def test_an_injected_alias_failure_predicts_staging_off(tmp_path):
+    both = dict(one_table=True, prefill_staging=True, vmm_fail_at={"cuMemSetAccess[alias]"})
+    [warn] = [r for r in _mapping(tmp_path, True, **both) if r.status == "warn"]
+    assert "prefill staging will be off for one-table layers" in warn.message
+    both["prefill_staging"] = False
+    assert all(r.status == "ok" for r in _mapping(tmp_path, True, **both))
+
+
+def test_the_preflight_reads_the_path_settings_from_the_environment(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(pf, "run_checks", lambda setup, skip: seen.setdefault("s", setup) and [])
+    monkeypatch.setattr(pf, "report", lambda results: None)
+    monkeypatch.setenv("VLLM_EXPERT_ONE_TABLE", "1")
+    monkeypatch.setenv("VLLM_EXPERT_PREFILL_STAGING", "1")
+    monkeypatch.setenv("VLLM_EXPERT_VMM_FAIL_AT", " cuMemCreate[device] ,cuMemMap[alias]")
+    pf.main(["--skip", "vllm"])
+    s = seen["s"]
+    assert s.one_table and s.prefill_staging
+    assert s.vmm_fail_at == {"cuMemCreate[device]", "cuMemMap[alias]"}
+
+
 def test_vmm_probe_without_cuda_python(monkeypatch):
     monkeypatch.setattr(cuda_probe, "default_driver", lambda: None)
     p = cuda_probe.probe_vmm_host_numa()

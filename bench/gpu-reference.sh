@@ -5,8 +5,9 @@
 #
 # PART is one of
 #   models     the synthetic test models (INT4 8 and 16 layers, BF16 2 layers); every other
-#              part but table24, sweep24, streams24, prefill8k24 and pp2 (which make the
-#              24-layer model, freeing the disk of these when it is short) makes them first
+#              part but table24, sweep24, streams24, prefill8k24, default24, soak24 and pp2
+#              (which make the 24-layer model, freeing the disk of these when it is short) makes
+#              them first
 #              if they are missing, so start this one early (while the vLLM install finishes)
 #              to save time later
 #   tests      every GPU test (tests/gpu), correctness and kernels
@@ -42,11 +43,22 @@
 #   prefill8k24  offload-03-swap with prefill staging at 10% and 40% host beside unpatched on
 #              the 24-layer model, every engine with 8192-token prefill chunks (one copy of
 #              the host experts per 8k of prompt instead of four): TTFT 2k/8k/32k, decode
+#   default24  the compose files' default path at the 2x32GB default's host share (7.6 GiB per
+#              card: 134 of 512 experts per layer, 26%) on the 24-layer model: unpatched,
+#              offload-02 (the former default), offload-03-swap, and offload-03-swap with
+#              prefill staging (the new default), three beside one unpatched engine: decode
+#              fresh/repeated, TTFT 2k/8k/32k against its bound, 1, 4 and 16 streams, peak VRAM
 #   ple-cost   Qwen4Exp's PLE n-gram tables in host memory against in VRAM, on the tiny Qwen4Exp
 #              model with two 3.8 GiB tables (--ngram-vocab-base 8000000: far past the GPU's L2
 #              cache, as the real 95 GiB tables are): greedy tokens, decode TPOT, prefill TTFT
 #              (tests/gpu/test_ple_host_table.py; the offline bundle also needs EO_ENGINE_EXTRA
 #              '{"attention_config": {"flash_attn_version": 2}, "gdn_prefill_backend": "triton"}')
+#   soak24     scripts/soak on the 24-layer model at the 2x32GB default's share (134 of 512):
+#              `vllm serve` with the default offload settings (one table, runtime swap with its
+#              self-check, prefill staging, usage counting) under EO_SOAK_S (default 900) s of
+#              mixed traffic, 1-16 requests in flight, prompts up to 32k tokens, cancellations:
+#              self-check failures, VRAM and host RSS over time, greedy probes at start and
+#              end, /metrics against the client's counts, clean shutdown (about 25 minutes)
 #   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
 #              (tests/gpu/test_qwen4exp_pp2.py); unpatched, offload-02 and offload-03-swap at
 #              PP=2 on a 24-layer model at 10% host side by side; compose/2x32GB.yml's command
@@ -72,6 +84,9 @@ T=tests/gpu/test_offload_correctness.py
 # the 16-layer model at about 10% of routed experts on host
 HOST10=(--model "$M/target-int4-16l" --host-experts-per-layer 51)
 RUN=(--decode-tokens 128 --repeats 3 --host-read-us 55.5 --copy-gbps 55.3)
+# the 24-layer model at the 2x32GB default's share: 7.6 GiB per card of a stage's 29 GiB of
+# routed experts (26.2%), 134 of each layer's 512
+HOST24=134
 
 # the patched copy of vLLM (made once, before any engine needs it)
 patched() {
@@ -158,9 +173,27 @@ run_part() {
       model24 || return 1
       EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap+stage,offload-03-swap:205+stage --group 2 --ttft-32k ${RUN[*]} --out OUT/prefill8k24.json"
       ;;
+    default24)
+      model24 || return 1
+      part default24 "bench:--model $M/target-int4-24l --host-experts-per-layer $HOST24 --configs unpatched,offload-02,offload-03-swap,offload-03-swap+stage --group 3 --ttft-32k --streams 1,4,16 ${RUN[*]} --out OUT/default24.json"
+      ;;
     ple-cost)
       EO_QWEN4EXP_MAKE_ARGS="--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 8000000" \
         EO_GPU_MEMORY_UTILIZATION=0.3 part ple-cost "tests:tests/gpu/test_ple_host_table.py -rA -s"
+      ;;
+    soak24)
+      model24 || return 1
+      mkdir -p "$R/soak24"
+      # the kernel warm-up settings every engine run of this bundle uses (gpu_harness)
+      local kernels='{"enable_jit_warmup": false, "enable_flashinfer_autotune": false}'
+      PYTHONPATH=scripts:${EO_VLLM_PATCHED:-/tmp/vllm-patched}:$EO_VLLM_SITE \
+        timeout $((${EO_SOAK_S:-900} + 2400)) python3 scripts/soak --model "$M/target-int4-24l" \
+        --host-experts-per-layer $HOST24 --duration-s "${EO_SOAK_S:-900}" --out "$R/soak24" -- \
+        --max-model-len 34816 --kv-cache-memory-bytes 4294967296 --attention-backend TRITON_ATTN \
+        --kernel-config "$kernels" > "$R/soak24/soak.log" 2>&1
+      local rc=$?
+      date -u +%FT%TZ > "$R/soak24.done"
+      return $rc
       ;;
     pp2)
       local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
@@ -178,7 +211,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | ple-cost | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | default24 | ple-cost | soak24 | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2
@@ -189,7 +222,7 @@ rc=0
 for p in "$@"; do
   case $p in
     models) ;;
-    table24 | sweep24 | streams24 | prefill8k24 | pp2) patched || true ;; # they make their own models
+    table24 | sweep24 | streams24 | prefill8k24 | default24 | soak24 | pp2) patched || true ;; # they make their own models
     *) models || true ;;
   esac
   run_part "$p" || rc=1

@@ -10,6 +10,7 @@ the runtime swap's counters reach the snapshot without a wait on the device.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -155,3 +156,44 @@ def test_swap_counters_reach_the_snapshot_after_a_decision(runtime, decisions): 
         "swaps": decisions * n,
         "swap_decisions": decisions,
     }
+
+
+def test_a_metrics_folder_that_does_not_exist_is_made_or_refused(vllm_cpu, tmp_path, monkeypatch):
+    """VLLM_EXPERT_METRICS_DIR naming a folder that does not exist yet: `vllm serve` makes it
+    (the workers used to warn every second that they could not write, and /metrics lacked the
+    offload series); one that cannot be made stops `vllm serve` with the fix, no traceback."""
+    from vllm.v1.metrics.expert_offload import prepare_metrics_dir
+
+    new = tmp_path / "a" / "b"
+    monkeypatch.setenv("VLLM_EXPERT_METRICS_DIR", str(new))
+    assert prepare_metrics_dir() == str(new) and new.is_dir()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("VLLM_EXPERT_METRICS_DIR", str(blocker / "sub"))
+    with pytest.raises(SystemExit) as e:
+        prepare_metrics_dir()
+    assert "VLLM_EXPERT_METRICS_DIR" in str(e.value) and "writable folder" in str(e.value)
+
+
+def test_a_worker_makes_its_folder_and_warns_once_when_it_cannot(vllm_cpu, tmp_path, caplog):
+    from vllm.model_executor.layers.fused_moe.expert_offload import metrics
+
+    made = tmp_path / "made" / "here"
+    pub = metrics.RankPublisher(str(made), RANK0, {"path": "offload-02"}, 0.01)
+    pub.close()
+    assert json.loads((made / f"rank-{RANK0}.json").read_text())["path"] == "offload-02"
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: lines.append(rec.getMessage())
+    log = logging.getLogger(metrics.__name__)
+    log.addHandler(handler)
+    try:
+        pub = metrics.RankPublisher(str(blocker / "sub"), RANK1, {"path": "offload-02"}, 0.01)
+        time.sleep(0.2)  # about 20 more attempts
+        pub.close()
+    finally:
+        log.removeHandler(handler)
+    assert len([x for x in lines if "cannot write snapshots" in x]) == 1, lines

@@ -27,6 +27,8 @@ and the server shut down by itself (exit 0) writing its usage counts.
 
 Writes OUT/soak.json (rewritten after every sample, "complete": false until the end),
 OUT/soak.md, OUT/soak.png (with matplotlib), OUT/requests.jsonl (every request).
+`soak --report OUT` judges a run that stopped early (its host taken away) from what it left
+in OUT: the checks it could not reach fail, and soak.md says it was interrupted.
 Exit codes: 0 every check passed; 1 a check failed (results still written); 2 usage; 3 the
 server did not start (the log's last lines are printed).
 """
@@ -426,8 +428,34 @@ def write_all(doc: dict, records: list[dict], out: pathlib.Path) -> None:
     log(f"{'PASSED' if doc['passed'] else 'FAILED: ' + ', '.join(failed)}; results in {out}")
 
 
+def report_interrupted(out: pathlib.Path) -> int:
+    """`soak --report OUT`: judge a run that stopped early from what it left in OUT."""
+    try:
+        doc = json.loads((out / "soak.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"soak: error: --report {out}: no readable soak.json ({e})", file=sys.stderr)
+        return EXIT_USAGE
+    if doc.get("complete"):
+        print(f"soak: {out} holds a finished run; its soak.md already judges it", file=sys.stderr)
+        return EXIT_USAGE
+    log_path = out / "server.log"
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    rep.judge_interrupted(doc, text)
+    if rep.plot(doc, out / "soak.png") is None:
+        log("matplotlib is not importable: no soak.png")
+    rep.write_json(doc, out)
+    (out / "soak.md").write_text(rep.markdown(doc))
+    log(f"interrupted after {doc['duration_s']:.0f} s of traffic; results in {out}")
+    return EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--report"]:
+        if len(argv) != 2:
+            print("soak: error: usage: soak --report OUT", file=sys.stderr)
+            return EXIT_USAGE
+        return report_interrupted(pathlib.Path(argv[1]))
     args, extra = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     from .testmodel.plant import load_plan

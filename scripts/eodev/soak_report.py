@@ -283,6 +283,37 @@ def checks(doc: dict) -> dict[str, bool]:
     }
 
 
+def judge_interrupted(doc: dict, log_text: str) -> dict:
+    """A run that stopped before its end (the host taken away, the soak killed): judge what
+    soak.json and the server log hold. The traffic counts up to the last sample; the probes
+    at the end, the final /metrics scrape and the shutdown never happened, so their checks
+    fail, as does the duration, and the document stays `"complete": false`."""
+    samples = doc.get("samples") or []
+    w = dict(doc.get("window") or {})
+    traffic = [x["t"] for x in samples if x.get("phase") == "traffic"]
+    w.setdefault("traffic_start", traffic[0] if traffic else 0.0)
+    w.setdefault("warmup_end", w["traffic_start"] + doc.get("warmup_s", 0.0))
+    w.setdefault("traffic_end", traffic[-1] if traffic else w["traffic_start"])
+    doc["window"] = w
+    doc["duration_s"] = round(w["traffic_end"] - w["traffic_start"], 1)
+    found = count_self_checks(log_text)
+    doc.update(self_check_failures=found["failures"], self_check_passes=found["passes"])
+    doc["self_check_failure_lines"] = found["failure_lines"]
+    doc["growth"] = {
+        name: growth(samples, key, w["traffic_start"], w["warmup_end"], w["traffic_end"])
+        for name, key in (("vram", "vram_gib"), ("rss", "rss_gib"))
+    }
+    doc.setdefault("traffic", traffic_totals([]))
+    doc["probes"] = {"compare": [], "note": "the run stopped before the probes at its end"}
+    doc["metrics_checks"] = [
+        {"name": "final scrape", "passed": False, "error": "the run stopped before it"}
+    ]
+    doc["shutdown"] = {"error": "the run stopped before the shutdown"}
+    doc["checks"] = checks(doc)
+    doc.update(passed=False, complete=False, interrupted=True)
+    return doc
+
+
 def _fmt(x: Any) -> str:
     """Numbers as a reader wants them: counts whole, measurements to 4 digits; a dict as
     `key value` pairs without its empty entries."""
@@ -320,6 +351,8 @@ def markdown(doc: dict) -> str:
     the traffic, growth, probes and /metrics checks, and the command."""
     verdict = "PASSED" if doc.get("passed") else "FAILED"
     failed = [k for k, v in doc["checks"].items() if not v]
+    if doc.get("interrupted"):
+        verdict = "INTERRUPTED (judged up to its last sample)"
     lines = [f"# Soak: {verdict}", ""]
     if failed:
         lines += [f"Failed checks: {', '.join(failed)}.", ""]

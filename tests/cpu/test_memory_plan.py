@@ -439,8 +439,9 @@ def test_every_big_compose_file_fits_the_target(name):
 def test_one_table_counts_its_swap_counters_and_extra_host_experts(target):
     """VLLM_EXPERT_ONE_TABLE=1 (the compose default): the runtime swap's counters and maps
     (12 B per layer and expert: 24 x 512 x 12 = 147,456 B per 2x32GB stage) in VRAM, and
-    about two more experts per MoE layer on host (24 x 2 x one expert per card), which
-    the host RAM total counts; the plan's notes say which path runs."""
+    up to three more experts per MoE layer on host (24 x 3 x one expert per card; an H200
+    measured 3 at 26% host), which the host RAM total counts; the plan's notes say which
+    path runs."""
     shape, w = target
     base = dict(host_gib_per_card=7.6, prefill_staging=True)
     off = mp.make_plan(shape, w, serving(**base))
@@ -448,8 +449,8 @@ def test_one_table_counts_its_swap_counters_and_extra_host_experts(target):
     for a, b in zip(off.cards, on.cards, strict=True):
         assert (a.swap, b.swap) == (0, 24 * 512 * 12)
         assert b.vram - a.vram == b.swap
-        assert b.one_table_host == 2 * 24 * w.expert_bytes
-    assert on.host_total - off.host_total == 2 * 2 * 24 * w.expert_bytes
+        assert b.one_table_host == 3 * 24 * w.expert_bytes
+    assert on.host_total - off.host_total == 2 * 3 * 24 * w.expert_bytes
     assert any("one table with the runtime swap" in n for n in on.notes)
     assert any("split experts (offload-02" in n for n in off.notes)
 

@@ -790,3 +790,49 @@ def test_entry_script_usage(repo_root, tmp_path, args, code, says):
 
 if __name__ == "__main__":
     serve_main(int(sys.argv[1]))
+
+
+def test_report_judges_a_run_that_stopped_early(tmp_path):
+    """`soak --report OUT` after the host was taken away mid-traffic: what the samples and the
+    server log hold is judged (self-checks, errors, growth up to the last sample), the checks
+    the run never reached fail, and the document stays incomplete."""
+    out = tmp_path / "out"
+    out.mkdir()
+    samples = [{"t": 0.0, "phase": "probes-start", "vram_gib": 20.0, "rss_gib": 3.0}]
+    for i in range(1, 31):
+        rss = 3.0 + (0.5 if i > 25 else 0.0)  # +16.7% near the end: fails the flatness check
+        samples.append({"t": i * 10.0, "phase": "traffic", "vram_gib": 20.0, "rss_gib": rss})
+    doc = {
+        "suite": "soak",
+        "complete": False,
+        "date": "2026-12-04T20:27:18Z",
+        "gpu": "NVIDIA H200",
+        "command": ["scripts/soak", "--model", "m"],
+        "model": {"path": "m", "layers": 24, "host_experts_per_layer": 134},
+        "settings": {"args": {"duration_s": 600.0}},
+        "warmup_s": 120.0,
+        "duration_s": 0.0,
+        "samples": samples,
+        "window": {"traffic_start": 10.0, "warmup_end": 130.0},
+        "traffic": rep.traffic_totals([]) | {"requests": 40, "completed": 36, "cancelled": 4},
+    }
+    (out / "soak.json").write_text(json.dumps(doc))
+    (out / "server.log").write_text(PASSED_LINE.format(5) + "\n" + PASSED_LINE.format(9) + "\n")
+    rc = soak.main(["--report", str(out)])
+    judged = json.loads((out / "soak.json").read_text())
+    assert rc == soak.EXIT_FAILED
+    assert judged["interrupted"] and not judged["complete"] and not judged["passed"]
+    assert judged["duration_s"] == 290.0  # from the first to the last traffic sample
+    assert (judged["self_check_passes"], judged["self_check_failures"]) == (2, 0)
+    c = judged["checks"]
+    assert c["self_check_ran"] and c["self_check_no_failures"] and c["no_request_errors"]
+    assert c["vram_flat"] and not c["rss_flat"]
+    for unreached in ("probes_identical", "duration_reached", "clean_shutdown"):
+        assert not c[unreached], unreached
+    md = (out / "soak.md").read_text()
+    assert md.startswith("# Soak: INTERRUPTED") and "rss_flat" in md
+    # a finished run, or a folder without a soak.json, is a usage error
+    judged["complete"] = True
+    (out / "soak.json").write_text(json.dumps(judged))
+    assert soak.main(["--report", str(out)]) == soak.EXIT_USAGE
+    assert soak.main(["--report", str(tmp_path / "nothing")]) == soak.EXIT_USAGE

@@ -242,15 +242,10 @@ def check_counts_file(path: pathlib.Path) -> dict[str, Any]:
 def traffic_totals(records: Sequence[dict]) -> dict[str, Any]:
     """The soak's traffic (probes left out): requests, how they ended, tokens, per kind."""
     mine = [r for r in records if r["kind"] != "probe"]
-    out: dict[str, Any] = {
-        "requests": len(mine),
-        "completed": sum(r["completed"] for r in mine),
-        "cancelled": sum(r["cancelled"] for r in mine),
-        "errors": sum(r["error"] is not None for r in mine),
-        "prompt_tokens": sum(r["prompt_tokens"] for r in mine),
-        "generated_tokens": sum(r["generated"] for r in mine),
-        "by_kind": {},
-    }
+    c = client_counts(mine)
+    out: dict[str, Any] = {k: c[k] for k in ("requests", "completed", "cancelled", "errors")}
+    out.update(prompt_tokens=c["prompt_tokens_sent"], generated_tokens=c["generated"])
+    out["by_kind"] = {}
     for r in mine:
         k = out["by_kind"].setdefault(r["kind"], {"requests": 0, "cancelled": 0, "errors": 0})
         k["requests"] += 1

@@ -97,6 +97,22 @@ def staging(monkeypatch):
     return s, rec, hosts
 
 
+def staged_layers(monkeypatch, experts: list[int]):
+    """A staging over one host table per entry of `experts` (its host experts), with
+    torch.cuda recorded; the staging, the recorder and the layer names."""
+    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
+        PrefillStaging,
+    )
+
+    rec = Recorder()
+    rec.install(monkeypatch)
+    s = PrefillStaging(MIN_TOKENS)
+    names = [f"layers.{i}.mlp.experts" for i in range(len(experts))]
+    for i, (name, n) in enumerate(zip(names, experts, strict=True)):
+        s.register(host_table(i, n), name)
+    return s, rec, names
+
+
 def _copies(rec: Recorder) -> int:
     return rec.calls.count(("copy_done",))
 
@@ -161,16 +177,7 @@ def test_the_next_chunk_finds_its_first_layer_in_its_slot(staging):
 
 
 def test_an_odd_number_of_layers_does_not_copy_the_first_after_the_last(monkeypatch):
-    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
-        PrefillStaging,
-    )
-
-    rec = Recorder()
-    rec.install(monkeypatch)
-    s = PrefillStaging(MIN_TOKENS)
-    names = [f"layers.{i}.mlp.experts" for i in range(3)]
-    for i, name in enumerate(names):
-        s.register(host_table(i, 4), name)
+    s, rec, names = staged_layers(monkeypatch, [4, 4, 4])
     for name in names:
         s.staged(name, 1024)
     # layers 0 and 2 share slot 0: layer 0 may not overwrite it while layer 2 runs
@@ -194,16 +201,7 @@ def test_a_chunk_that_picks_fewer_experts_than_the_host_holds_is_not_staged(monk
     """The copy moves every host expert of the layer; a forward whose tokens make fewer
     picks (tokens x top-k) than that reads fewer through UVA, so it is not staged, even
     above the minimum size."""
-    from vllm.model_executor.layers.fused_moe.expert_offload.prefill_staging import (
-        PrefillStaging,
-    )
-
-    rec = Recorder()
-    rec.install(monkeypatch)
-    s = PrefillStaging(MIN_TOKENS)
-    names = [f"layers.{i}.mlp.experts" for i in range(2)]
-    for i, name in enumerate(names):
-        s.register(host_table(i, 300), name)  # 300 host experts, top-2: 150 tokens
+    s, rec, names = staged_layers(monkeypatch, [300, 300])  # top-2: 150 tokens
     assert not s.pays(names[0], 149) and s.pays(names[0], 150)
     assert s.staged(names[0], 149) is None and s.staged(names[1], 149) is None
     assert s.copies == 0 and rec.calls == []  # nothing queued for forwards that lose

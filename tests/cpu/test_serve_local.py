@@ -105,7 +105,7 @@ def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root
         "--max-model-len",
         "4096",
     ]
-    shell = {**env, "ONE_TABLE": "1", "SERVED_MODEL_NAME": "q4"}
+    shell = {**env, "ONE_TABLE": "0", "SERVED_MODEL_NAME": "q4"}  # the shell wins
     for _ in range(2):  # a second start in the same WORKDIR keeps the first one's log
         r = subprocess.run(command, env=shell, capture_output=True, text=True, timeout=600)
         out = r.stdout + r.stderr
@@ -125,8 +125,9 @@ def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root
     )
     assert seen["EO_TOPOLOGY"] == "2x32GB"
     assert seen["VLLM_PLE_TABLE"] == "host"
-    assert seen["VLLM_EXPERT_ONE_TABLE"] == "1"
-    assert seen["EO_HOST_BUDGET_GIB"] == "7"
+    assert seen["VLLM_EXPERT_ONE_TABLE"] == "0"  # the file's default is 1
+    assert seen["VLLM_EXPERT_PREFILL_STAGING"] == "1"
+    assert seen["EO_HOST_BUDGET_GIB"] == "7.6"
     assert seen["VLLM_EXPERT_COLD_FILE"] == ""
     assert seen["EO_STATE_DIR"] == str(work / "state") and (work / "state").is_dir()
 

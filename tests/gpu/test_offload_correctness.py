@@ -178,26 +178,53 @@ def test_int4_one_table_matches_unpatched(int4_model, int4_cold_file, int4_unpat
     _check(tag, run, int4_unpatched["2048"], int4_unpatched["noise"], reordered=swap != "off")
 
 
-def test_a_driver_that_refuses_the_host_mapping_falls_back_to_two_tables(
-    int4_model, int4_cold_file
-):
-    """VLLM_EXPERT_ONE_TABLE=1 with the host-memory mapping refused (fault injection): the
-    server starts, every layer keeps its two tables (offload-02), a log line names the
-    reason, and the tokens are offload-02's."""
+# Every VMM driver step of one table, by its fault-injection label (VLLM_EXPERT_VMM_FAIL_AT).
+# A step of the start-up probe (a host-only range) refused: the whole rank keeps two tables,
+# with one log line. A step only a layer's merge makes (its VRAM part) refused: each layer
+# keeps two tables, with one line each. Either way the start-up summary counts them and says
+# why, and the tokens are offload-02's.
+PROBE_STEPS = ["cuMemAddressReserve", "cuMemCreate[host]", "cuMemMap[host]", "cuMemSetAccess[host]"]
+MERGE_STEPS = ["cuMemCreate[device]", "cuMemMap[device]", "cuMemSetAccess[device]"]
+
+
+@pytest.mark.parametrize("label", PROBE_STEPS + MERGE_STEPS)
+def test_a_refused_vmm_step_falls_back_to_two_tables_and_serves(int4_model, int4_cold_file, label):
     env = {"VLLM_EXPERT_COLD_FILE": str(int4_cold_file)}
     two = _run("int4-offload02-2048", int4_model, True, 2048, env)
     refused = _run(
-        "int4-onetable-refused-2048",
+        f"int4-onetable-refused-{label.replace('[', '-').rstrip(']')}-2048",
         int4_model,
         True,
         2048,
-        {**env, "VLLM_EXPERT_ONE_TABLE": "1", "VLLM_EXPERT_VMM_FAIL_AT": "cuMemCreate[host]"},
+        {**env, "VLLM_EXPERT_ONE_TABLE": "1", "VLLM_EXPERT_VMM_FAIL_AT": label},
     )
+    moe_layers = refused["memory"]["moe_layers"]
     assert refused["memory"]["one_table_layers"] == 0
     assert refused["memory"]["expert_host_bytes"] == two["memory"]["expert_host_bytes"]
     log = pathlib.Path(refused["log_file"]).read_text()
-    assert "keep two tables (offload-02)" in log and "host-mapping probe failed" in log
+    assert f"failing {label} on purpose" in log
+    if label in PROBE_STEPS:
+        assert "keep two tables (offload-02)" in log and "host-mapping probe failed" in log
+    else:
+        assert log.count("keeps two tables (offload-02)") == moe_layers
+    summary = next(x for x in log.splitlines() if "Expert offload active:" in x)
+    assert "as the driver or the merge refused one table" in summary and label in summary
+    assert f"({moe_layers} of {moe_layers} MoE layers on this rank)" in summary
     assert lp.diff_runs(refused, two)["tokens_identical"]
+
+
+def test_a_refused_second_mapping_turns_staging_off_and_serves(int4_model, int4_cold_file):
+    """Prefill staging's second mapping of a one-table layer refused: the layers stay one
+    table, staging is off for them (one log line), and the tokens are one table's."""
+    env = {"VLLM_EXPERT_COLD_FILE": str(int4_cold_file), "VLLM_EXPERT_ONE_TABLE": "1"}
+    env["VLLM_EXPERT_SWAP"] = "0"
+    plain = _run("int4-onetable-swap-off-2048", int4_model, True, 2048, env)
+    env = {**env, "VLLM_EXPERT_PREFILL_STAGING": "1", "VLLM_EXPERT_VMM_FAIL_AT": "cuMemMap[alias]"}
+    refused = _run("int4-onetable-staging-refused-2048", int4_model, True, 2048, env)
+    assert refused["memory"]["one_table_layers"] == refused["memory"]["moe_layers"]
+    log = pathlib.Path(refused["log_file"]).read_text()
+    assert log.count("prefill staging is off for one-table layers") == 1
+    assert lp.diff_runs(refused, plain)["tokens_identical"]
 
 
 def test_int4_host_layer_matches_unpatched(int4_model, int4_unpatched):

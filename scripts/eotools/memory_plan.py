@@ -111,6 +111,43 @@ def ngram_table_rows(vocab_base: int, heads: int, dense_layer_id: int, divisible
     return -(-total // divisible_by) * divisible_by
 
 
+# The MoE families the plan can size: their layers, as vLLM 0.29.0 builds them.
+QWEN3_MOE, QWEN3_NEXT, QWEN4EXP = "qwen3_moe", "qwen3_next", "qwen4_exp"
+FAMILIES = {
+    # model_type -> family; architectures name them too (Qwen3MoeForCausalLM, ...)
+    "qwen3_moe": QWEN3_MOE,
+    "qwen3_next": QWEN3_NEXT,
+    "qwen4_exp": QWEN4EXP,
+}
+_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": QWEN3_MOE,
+    "Qwen3NextForCausalLM": QWEN3_NEXT,
+    "Qwen4ExpForCausalLM": QWEN4EXP,
+    "Qwen4ExpForConditionalGeneration": QWEN4EXP,
+}
+# the config fields each family's layers use beyond the common ones; the others are zero
+_FAMILY_FIELDS = {
+    QWEN3_MOE: set(),
+    QWEN3_NEXT: {"linear", "shared_expert", "layer_types", "mtp"},
+    QWEN4EXP: {"linear", "shared_expert", "layer_types", "mtp", "hc", "ple"},
+}
+
+
+def model_family(architecture: str, model_type: str) -> str:
+    """The family of a config, or PlanError naming what the plan can size."""
+    family = _ARCHITECTURES.get(architecture) or next(
+        (f for t, f in FAMILIES.items() if model_type.startswith(t)), None
+    )
+    if family is None:
+        raise PlanError(
+            f"memory-plan cannot size {architecture} (model_type {model_type!r}): it knows "
+            "the layers of Qwen3-MoE, Qwen3-Next and Qwen4Exp MoE models "
+            f"({', '.join(_ARCHITECTURES)}); for another model, vLLM's own start-up "
+            "profile is the measure"
+        )
+    return family
+
+
 @dataclass
 class ModelShape:
     """The config fields the plan needs, with the upstream default of each missing one."""
@@ -156,11 +193,17 @@ class ModelShape:
     quant_sym: bool
     quant_method: str | None
     mtp_layers: int
+    family: str = QWEN4EXP
     defaulted: list[str] = field(default_factory=list)
 
     @property
     def is_qwen4exp(self) -> bool:
-        return self.model_type.startswith("qwen4_exp") or "Qwen4Exp" in self.architecture
+        return self.family == QWEN4EXP
+
+    @property
+    def gated_attention(self) -> bool:
+        """Qwen3-Next's attention (and Qwen4Exp's) projects a gate beside each query."""
+        return self.family != QWEN3_MOE
 
     @property
     def ngram_heads(self) -> int:
@@ -216,29 +259,59 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+# Qwen3MoeConfig's defaults where they differ (transformers' configuration_qwen3_moe.py)
+_QWEN3_MOE_DEFAULTS: dict[str, Any] = {
+    "intermediate_size": 6144,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "moe_intermediate_size": 768,
+    "num_experts_per_tok": 8,
+    "num_experts": 128,
+}
+
+
 def load_shape(config_path: pathlib.Path) -> ModelShape:
     """Read a config.json (top level, or its text_config) into a ModelShape."""
     try:
         cfg = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"cannot read {config_path}: {e}; give a model's config.json") from None
+    if not isinstance(cfg, dict):
+        raise PlanError(f"{config_path}: not a config object; give a model's config.json")
     text = cfg.get("text_config") or cfg
     defaulted: list[str] = []
+    arch = str((cfg.get("architectures") or ["?"])[0])
+    model_type = str(cfg.get("model_type", text.get("model_type", "")))
+    family = model_family(arch, model_type)
+    uses = _FAMILY_FIELDS[family]
+    defaults = {**_DEFAULTS, **(_QWEN3_MOE_DEFAULTS if family == QWEN3_MOE else {})}
 
-    def get(name: str) -> Any:
+    def get(name: str, part: str | None = None) -> Any:
+        """The config's value, else the family's default (listed); a field of a part
+        this family's layers do not have is 0, and not listed."""
+        if part is not None and part not in uses:
+            return [] if isinstance(defaults[name], list) else 0
         for src in (text, cfg):
             if name in src and src[name] is not None:
                 return src[name]
         defaulted.append(name)
-        return _DEFAULTS[name]
+        return defaults[name]
 
     hidden = int(get("hidden_size"))
     layers = int(get("num_hidden_layers"))
     layer_types = text.get("layer_types")
-    if layer_types is None:
-        defaulted.append("layer_types")
+    if family == QWEN3_MOE:
+        layer_types = ["full_attention"] * layers  # every layer full attention
+    elif layer_types is None:
+        # Qwen3-Next's config derives them: every full_attention_interval-th layer is full
+        interval = text.get("full_attention_interval")
+        if interval is None:
+            defaulted.append("layer_types")
+        every = int(interval or 4)
         layer_types = [
-            "linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)
+            "linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)
         ]
     if len(layer_types) != layers:
         raise PlanError(
@@ -251,10 +324,10 @@ def load_shape(config_path: pathlib.Path) -> ModelShape:
     method = q.get("quant_method")
     bits = q.get("bits") if method in ("gptq", "auto-round", "awq", "inc") else None
     torch_dtype = str(text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16")
-    arch = (cfg.get("architectures") or ["?"])[0]
     shape = ModelShape(
         architecture=arch,
-        model_type=str(cfg.get("model_type", text.get("model_type", ""))),
+        model_type=model_type,
+        family=family,
         dtype_bytes=TORCH_DTYPE_BYTES.get(torch_dtype, 2),
         vocab_size=int(get("vocab_size")),
         hidden_size=hidden,
@@ -263,28 +336,30 @@ def load_shape(config_path: pathlib.Path) -> ModelShape:
         num_attention_heads=int(get("num_attention_heads")),
         num_kv_heads=int(get("num_key_value_heads")),
         head_dim=int(get("head_dim")),
-        linear_num_key_heads=int(get("linear_num_key_heads")),
-        linear_num_value_heads=int(get("linear_num_value_heads")),
-        linear_key_head_dim=int(get("linear_key_head_dim")),
-        linear_value_head_dim=int(get("linear_value_head_dim")),
-        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim")),
+        linear_num_key_heads=int(get("linear_num_key_heads", "linear")),
+        linear_num_value_heads=int(get("linear_num_value_heads", "linear")),
+        linear_key_head_dim=int(get("linear_key_head_dim", "linear")),
+        linear_value_head_dim=int(get("linear_value_head_dim", "linear")),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", "linear")),
         num_experts=int(get("num_experts")),
         experts_per_tok=int(get("num_experts_per_tok")),
         moe_intermediate_size=int(get("moe_intermediate_size")),
-        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")),
+        shared_expert_intermediate_size=int(
+            get("shared_expert_intermediate_size", "shared_expert")
+        ),
         intermediate_size=int(get("intermediate_size")),
         decoder_sparse_step=int(get("decoder_sparse_step")),
         mlp_only_layers=[int(x) for x in get("mlp_only_layers")],
-        hc_count=int(get("hc_count")),
-        hc_lowrank=int(get("hc_lowrank")),
-        ple_layer_ids=[int(x) for x in get("ple_layer_ids")],
+        hc_count=int(get("hc_count", "hc")),
+        hc_lowrank=int(get("hc_lowrank", "hc")),
+        ple_layer_ids=[int(x) for x in get("ple_layer_ids", "ple")],
         ple_embed_dim=int(ple_embed),
-        ple_conv_kernel_size=int(get("ple_conv_kernel_size")),
-        ngram_size=int(get("ngram_size")),
-        heads_per_ngram=int(get("heads_per_ngram")),
-        ngram_vocab_size_base=int(get("ngram_vocab_size_base")),
-        ngram_divisible_by=int(get("make_ngram_vocab_size_divisible_by")),
-        indexer_n_heads=text.get("indexer_n_heads"),
+        ple_conv_kernel_size=int(get("ple_conv_kernel_size", "ple")),
+        ngram_size=int(get("ngram_size", "ple")),
+        heads_per_ngram=int(get("heads_per_ngram", "ple")),
+        ngram_vocab_size_base=int(get("ngram_vocab_size_base", "ple")),
+        ngram_divisible_by=int(get("make_ngram_vocab_size_divisible_by", "ple")) or 1,
+        indexer_n_heads=text.get("indexer_n_heads") if family == QWEN4EXP else None,
         indexer_head_dim=int(text.get("indexer_head_dim") or 0),
         indexer_budget=int(text.get("indexer_budget") or 0),
         indexer_compress_ratio=int(text.get("indexer_compress_ratio") or 1),
@@ -293,7 +368,7 @@ def load_shape(config_path: pathlib.Path) -> ModelShape:
         quant_group_size=int(q.get("group_size", 128) or 128),
         quant_sym=bool(q.get("sym", True)),
         quant_method=method,
-        mtp_layers=int(get("mtp_num_hidden_layers")),
+        mtp_layers=int(get("mtp_num_hidden_layers", "mtp")),
         defaulted=defaulted,
     )
     if "intermediate_size" in defaulted and all(map(shape.is_moe_layer, range(layers))):
@@ -353,7 +428,8 @@ def estimate_weights(shape: ModelShape) -> Weights:
             layer += _linear_bytes(shape, h, vd)  # out_proj
         else:
             heads, hd = shape.num_attention_heads, shape.head_dim
-            layer += _linear_bytes(shape, 2 * heads * hd + 2 * shape.num_kv_heads * hd, h)
+            q = (2 if shape.gated_attention else 1) * heads * hd  # query (and its gate)
+            layer += _linear_bytes(shape, q + 2 * shape.num_kv_heads * hd, h)
             layer += _linear_bytes(shape, h, heads * hd) + 2 * hd * d
             if shape.is_qsa_layer(i):
                 idx = (int(shape.indexer_n_heads or 0) + 1) * shape.indexer_head_dim
@@ -1044,9 +1120,11 @@ def _on(flag: bool | None, env_value: str | None) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="memory-plan",
-        description="Per-card VRAM and host RAM of a model under a topology, from its "
+        description="Per-card VRAM and host RAM of a MoE model under a topology, from its "
         "config.json and safetensors headers (no tensor data is read; without safetensors "
-        "files every size is estimated from the config). Settings come from compose/"
+        "files every size is estimated from the config). It sizes the layers of Qwen3-MoE "
+        "(Qwen3MoeForCausalLM: Qwen3-30B-A3B, Qwen3-235B-A22B, ...), Qwen3-Next and Qwen4Exp "
+        "models, and refuses other architectures. Settings come from compose/"
         "<topology>.yml (or --compose FILE), its ${VAR:-default} taken from the environment "
         "as docker compose takes them (e.g. PREFILL_STAGING=1 MAX_NUM_BATCHED_TOKENS=8192 "
         "HOST_BUDGET_GIB=10.5); each flag overrides them.",

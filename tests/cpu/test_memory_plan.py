@@ -464,3 +464,147 @@ def test_staging_below_its_minimum_chunk_is_named_as_buying_nothing(target):
     )
     [note] = [n for n in small.notes if n.startswith("offload path")]
     assert "below its 2048-token minimum" in note and "PREFILL_STAGING=0" in note
+
+
+# Public configs of three MoE models (the fields memory-plan reads), and hand-computed figures.
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_235B_A22B = QWEN3_30B_A3B | {
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 94,
+    "num_attention_heads": 64,
+    "moe_intermediate_size": 1536,
+}
+QWEN3_NEXT_80B = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "mtp_num_hidden_layers": 1,
+}
+
+
+def shape_of(tmp_path: pathlib.Path, cfg: dict) -> mp.ModelShape:
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return mp.load_shape(tmp_path / "config.json")
+
+
+def test_qwen3_30b_a3b_is_sized_as_qwen3_moe(tmp_path):
+    """Every layer full attention (no Gated DeltaNet, no hyper-connections, no PLE):
+    - one BF16 expert 3 x 2048 x 768 x 2 = 9,437,184 B; 128 per layer;
+    - a layer besides its experts: q/k/v (4096 + 2 x 512 rows) 20,971,520, o 16,777,216,
+      q/k norms 512, two RMS norms 8,192, router 524,288 = 38,281,728 B;
+    - all weights 48 layers + two 622,329,856 B embeddings + the final norm = 61,064,245,248 B
+      (30.5B parameters in BF16);
+    - KV per token and layer 2 x 4 x 128 x 2 = 2,048 B: 49,152 B per rank at PP=2."""
+    shape = shape_of(tmp_path, QWEN3_30B_A3B)
+    assert shape.family == mp.QWEN3_MOE and set(shape.layer_types) == {"full_attention"}
+    assert shape.defaulted == []  # nothing of Qwen3-Next's or Qwen4Exp's is missing
+    w = mp.estimate_weights(shape)
+    assert w.expert_bytes == 9_437_184
+    assert all(p[mp.EXPERTS] == 128 * 9_437_184 for p in w.per_layer)
+    assert all(p[mp.LAYER] == 38_281_728 for p in w.per_layer)
+    total = sum(p[mp.EXPERTS] + p[mp.LAYER] for p in w.per_layer) + sum(w.outside.values())
+    assert total == 61_064_245_248
+    s = serving(max_model_len=32_768, kv_cache_memory_bytes=None, host_gib_per_card=0)
+    plan = mp.make_plan(shape, w, s)
+    for card in plan.cards:
+        assert card.kv.per_token == 49_152 and card.kv.gdn_state == card.kv.ple_state == 0
+        assert card.kv.one_request == 32_768 * 49_152
+        assert card.max_context == card.kv_budget // 49_152
+    assert plan.cards[0].holds == ["embeddings"] and plan.cards[1].holds == ["LM head"]
+
+
+def test_qwen3_235b_a22b_is_sized_as_qwen3_moe(tmp_path):
+    """94 layers of hidden 4096: an expert 3 x 4096 x 1536 x 2 = 37,748,736 B; a layer besides
+    its experts 75,497,472 + 67,108,864 + 512 + 16,384 + 1,048,576 = 143,671,808 B; all weights
+    470,187,269,120 B (235B parameters); KV 47 x 2,048 = 96,256 B per token per rank at PP=2."""
+    shape = shape_of(tmp_path, QWEN3_235B_A22B)
+    w = mp.estimate_weights(shape)
+    assert w.expert_bytes == 37_748_736
+    assert w.per_layer[0][mp.LAYER] == 143_671_808
+    total = sum(p[mp.EXPERTS] + p[mp.LAYER] for p in w.per_layer) + sum(w.outside.values())
+    assert total == 470_187_269_120
+    s = serving(max_model_len=8192, kv_cache_memory_bytes=None, host_gib_per_card=0)
+    assert [c.kv.per_token for c in mp.make_plan(shape, w, s).cards] == [96_256, 96_256]
+
+
+def test_qwen3_next_80b_keeps_its_hybrid_layers(tmp_path):
+    """Every 4th layer full attention (full_attention_interval), the others Gated DeltaNet;
+    no hyper-connections or PLE. Per rank at PP=2: 6 full layers x 2 x 2 x 256 x 2 B =
+    12,288 B of KV per token; 18 GDN layers, each state ((2 x 2048 + 4096) x 3 + 32 x 128 x
+    128) x 2 = 1,097,728 B padded to a 544-token page of 1,114,112 B, two pages in align
+    mode: 40,108,032 B. An expert 3 x 2048 x 512 x 2 = 6,291,456 B, 512 per layer; one MTP
+    layer (not loaded)."""
+    shape = shape_of(tmp_path, QWEN3_NEXT_80B)
+    assert shape.family == mp.QWEN3_NEXT and shape.defaulted == []
+    assert (
+        shape.layer_types.count("full_attention") == 12 and shape.layer_types[3] == "full_attention"
+    )
+    assert shape.hc_count == 0 and shape.ple_layer_ids == [] and shape.indexer_n_heads is None
+    w = mp.estimate_weights(shape)
+    assert w.expert_bytes == 6_291_456 and w.per_layer[0][mp.EXPERTS] == 512 * 6_291_456
+    assert w.outside[mp.MTP] > 0
+    s = serving(max_model_len=65_536, kv_cache_memory_bytes=None, host_gib_per_card=0)
+    for card in mp.make_plan(shape, w, s).cards:
+        assert card.kv.per_token == 12_288
+        assert card.kv.gdn_state == 18 * 2 * 1_114_112 == 40_108_032
+
+
+def test_a_tiny_qwen3_moe_model_holds_what_its_kv_holds(tmp_path):
+    """Two full-attention layers, not two Gated DeltaNet ones: the KV budget bounds the context
+    (before: "1,000,000,000 tokens")."""
+    cfg = QWEN3_30B_A3B | {"num_hidden_layers": 2, "hidden_size": 256, "head_dim": 64}
+    shape = shape_of(tmp_path, cfg)
+    w = mp.estimate_weights(shape)
+    s = serving(pp_size=1, max_model_len=4096, kv_cache_memory_bytes=1 << 30, host_gib_per_card=0)
+    [card] = mp.make_plan(shape, w, s).cards
+    assert card.kv.per_token == 2 * 2 * 4 * 64 * 2
+    assert card.max_context == (1 << 30) // 2048 == 524_288
+
+
+def test_an_architecture_it_cannot_size_is_refused_with_what_it_knows(tmp_path):
+    cfg = QWEN3_30B_A3B | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+    with pytest.raises(mp.PlanError, match="cannot size MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+        shape_of(tmp_path, cfg)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    r = run(str(tmp_path / "m"), "--pp-size", "1", "--max-model-len", "4096")
+    assert r.returncode == 2 and "cannot size MixtralForCausalLM" in r.stderr
+    assert "Traceback" not in r.stderr

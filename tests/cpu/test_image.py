@@ -302,22 +302,24 @@ def test_dockerfile_layout(repo_root):
     assert not re.search(r"^#\s*syntax\s*=", text, re.MULTILINE | re.IGNORECASE)
 
 
-def fake_vllm(bin_dir: pathlib.Path, env_vars: tuple[str, ...] = ()) -> pathlib.Path:
+def fake_vllm(
+    bin_dir: pathlib.Path, env_vars: tuple[str, ...] = (), body: str | None = None
+) -> pathlib.Path:
     """A `vllm` that records its arguments (after the values of `env_vars`) instead of
-    serving."""
+    serving, then runs `body` (bash) if given."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     log = bin_dir / "vllm.args"
     exe = bin_dir / "vllm"
     shown = "".join(f' "${v}"' for v in env_vars)
-    exe.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n"{shown} "$@" > {log}\n')
+    exe.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n"{shown} "$@" > {log}\n{body or ""}')
     exe.chmod(0o755)
     return log
 
 
 def run_entrypoint(
-    repo_root, tmp_path, args, env_vars=(), **env_extra
+    repo_root, tmp_path, args, env_vars=(), vllm_body=None, **env_extra
 ) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
-    log = fake_vllm(tmp_path / "bin", env_vars)
+    log = fake_vllm(tmp_path / "bin", env_vars, vllm_body)
     python = pathlib.Path(sys.executable).parent
     env = {
         **{k: v for k, v in os.environ.items() if k != "VLLM_EXPERT_COLD_FILE"},
@@ -408,3 +410,16 @@ def test_entrypoint_help_prints_usage_without_the_preflight(repo_root, tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "VLLM_EXPERT_COLD_FILE" in r.stdout and "preflight:" not in r.stdout
     assert log.read_text().splitlines() == ["serve", "--help"]  # then vllm serve's own help
+
+
+def test_entrypoint_help_without_a_platform_for_vllm_says_so(repo_root, tmp_path):
+    """Where `vllm serve --help` itself fails (a CPU-only test environment: vLLM finds no
+    platform), the entrypoint's help still exits 0, with a line instead of vLLM's traceback."""
+    failing = (
+        'echo "Traceback (most recent call last):"\n'
+        'echo "RuntimeError: Failed to infer device type" >&2\nexit 1\n'
+    )
+    r, _ = run_entrypoint(repo_root, tmp_path, ["--help"], vllm_body=failing)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "VLLM_EXPERT_COLD_FILE" in r.stdout and "no platform it can serve on" in r.stdout
+    assert "Traceback" not in r.stdout + r.stderr

@@ -100,6 +100,7 @@ TOOLS_WITH_PACKAGES = (
     "make-test-model",
     "bench-host-read",
     "bench-ple-read",
+    "prepare-tiny-model",
 )
 
 

@@ -2,7 +2,7 @@
 """vmm.py on a real GPU: mapping, Triton reads across the VRAM/host boundary,
 release, granularity rounding, and the fallback when the driver refuses a step.
 
-    scripts/test-gpu tests/gpu/test_vmm_gpu.py -s   (README.md, "GPU tests")
+    scripts/test-gpu tests/gpu/test_vmm_gpu.py -s   (docs/developing.md, "GPU tests")
 
 Run with -s to see the measured numbers (granularity, NUMA node, VRAM deltas).
 """

@@ -94,19 +94,43 @@ def load_counts(path: pathlib.Path) -> Counts:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CountsError(f"{path}: not a readable counts file ({e})") from e
+    return counts_from_doc(doc, path)
+
+
+def _matrix(value: Any, what: str) -> np.ndarray:
+    try:
+        m = np.asarray(value)
+    except ValueError as e:  # ragged rows
+        raise CountsError(f"{what} is not a layers x experts table ({e})") from None
+    if m.ndim != 2 or m.shape[0] == 0 or m.shape[1] == 0 or m.dtype.kind not in "iu":
+        raise CountsError(f"{what} is not a layers x experts table of whole numbers")
+    return m.astype(np.int64)
+
+
+def counts_from_doc(doc: Any, path: pathlib.Path | str) -> Counts:
+    """The counts a parsed counts file holds; CountsError names what is missing or wrong."""
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CountsError(f"{path}: not an expert-counts file (format is not {FORMAT!r})")
     if doc.get("version") != VERSION:
         raise CountsError(
             f"{path}: counts format version {doc.get('version')!r}, this tool reads {VERSION}"
         )
-    try:
-        prefill = np.asarray(doc["prefill"], dtype=np.int64)
-        decode = np.asarray(doc["decode"], dtype=np.int64)
-        model, data, top_k = doc["model"], doc["data"], int(doc["top_k"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise CountsError(f"{path}: incomplete counts file ({e})") from e
-    if prefill.ndim != 2 or prefill.shape != decode.shape:
+    for key in ("prefill", "decode", "model", "data", "top_k"):
+        if key not in doc:
+            raise CountsError(f"{path}: incomplete counts file (no {key!r})")
+    model, data, top_k = doc["model"], doc["data"], doc["top_k"]
+    if not isinstance(model, dict) or not isinstance(data, dict):
+        raise CountsError(f"{path}: 'model' and 'data' must be objects")
+    tokens = data.get("tokens", {})
+    if not isinstance(tokens, dict) or not all(
+        type(tokens.get(p, 0)) is int and tokens.get(p, 0) >= 0 for p in ("prefill", "decode")
+    ):
+        raise CountsError(f"{path}: data.tokens must hold whole numbers >= 0")
+    if type(top_k) is not int or top_k <= 0:
+        raise CountsError(f"{path}: top_k must be a whole number > 0")
+    prefill = _matrix(doc["prefill"], f"{path}: prefill")
+    decode = _matrix(doc["decode"], f"{path}: decode")
+    if prefill.shape != decode.shape:
         raise CountsError(f"{path}: prefill and decode counts must both be layers x experts")
     if (prefill < 0).any() or (decode < 0).any():
         raise CountsError(f"{path}: negative counts")
@@ -120,7 +144,7 @@ def load_counts(path: pathlib.Path) -> Counts:
         for k, v in doc.items()
         if k not in {"format", "version", "model", "data", "tool", "top_k", "prefill", "decode"}
     }
-    return Counts(model, data, prefill, decode, top_k, doc.get("tool", ""), extra)
+    return Counts(model, data, prefill, decode, top_k, str(doc.get("tool", "")), extra)
 
 
 def check_same_model(sets: list[Counts], model: dict[str, Any] | None = None) -> None:

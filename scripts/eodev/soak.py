@@ -169,17 +169,20 @@ class ServerFailed(RuntimeError):
 
 
 class Server:
-    """`vllm serve` in its own session (its process group holds the engine core too)."""
+    """`vllm serve` in its own session (its process group holds the engine core too), with
+    `env` over this process's environment, or (inherit=False) with `env` alone."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: pathlib.Path) -> None:
-        self.cmd, self.env, self.log_path = cmd, env, log_path
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], log_path: pathlib.Path, inherit: bool = True
+    ) -> None:
+        self.cmd, self.env, self.log_path, self.inherit = cmd, env, log_path, inherit
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(
                 self.cmd,
-                env={**os.environ, **self.env},
+                env={**os.environ, **self.env} if self.inherit else dict(self.env),
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

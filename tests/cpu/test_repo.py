@@ -96,6 +96,7 @@ def test_every_tool_in_scripts_answers_help(repo_root):
 
 TOOLS_WITH_PACKAGES = (
     "bench",
+    "bench-vllm",
     "compare-logprobs",
     "make-test-model",
     "bench-host-read",

@@ -5,7 +5,8 @@
 #
 # PART is one of
 #   models     the synthetic test models (INT4 8 and 16 layers, BF16 2 layers); every other
-#              part but table24, sweep24, streams24, prefill8k24, default24, soak24 and pp2
+#              part but table24, sweep24, streams24, prefill8k24, default24, soak24, client24
+#              and pp2
 #              (which make the 24-layer model, freeing the disk of these when it is short) makes
 #              them first
 #              if they are missing, so start this one early (while the vLLM install finishes)
@@ -59,6 +60,13 @@
 #              mixed traffic, 1-16 requests in flight, prompts up to 32k tokens, cancellations:
 #              self-check failures, VRAM and host RSS over time, greedy probes at start and
 #              end, /metrics against the client's counts, clean shutdown (about 25 minutes)
+#   client24   vLLM's own client beside this project's: scripts/bench-vllm serves the 24-layer
+#              model with `vllm serve`, unpatched and then on the default path (one table, swap,
+#              prefill staging) at the 2x32GB default's share (134 of 512), and runs
+#              `vllm bench serve` against each (random dataset, 256 prompt and 128 output
+#              tokens, concurrency 1, 4 and 16, three repeats): output tokens/s, TPOT, TTFT,
+#              ratios against unpatched; with default24's results in R, both clients' ratios
+#              side by side (run default24 first; about 20 minutes)
 #   pp2        two GPUs: the Qwen4Exp test model at pipeline parallel 2 against unpatched PP=1
 #              (tests/gpu/test_qwen4exp_pp2.py); unpatched, offload-02 and offload-03-swap at
 #              PP=2 on a 24-layer model at 10% host side by side; compose/2x32GB.yml's command
@@ -195,6 +203,21 @@ run_part() {
       date -u +%FT%TZ > "$R/soak24.done"
       return $rc
       ;;
+    client24)
+      model24 || return 1
+      mkdir -p "$R/client24"
+      local kernels='{"enable_jit_warmup": false, "enable_flashinfer_autotune": false}'
+      local compare=()
+      [[ -f $R/default24/default24.json ]] && compare=(--compare-with "$R/default24/default24.json")
+      PYTHONPATH=scripts:$EO_VLLM_SITE timeout 3600 python3 scripts/bench-vllm \
+        --model "$M/target-int4-24l" --host-experts-per-layer $HOST24 --suite vllm-client24 \
+        --vllm-patched "${EO_VLLM_PATCHED:-/tmp/vllm-patched}" --out "$R/client24" \
+        "${compare[@]}" -- --kv-cache-memory-bytes 4294967296 --attention-backend TRITON_ATTN \
+        --kernel-config "$kernels" > "$R/client24/client24.log" 2>&1
+      local rc=$?
+      date -u +%FT%TZ > "$R/client24.done"
+      return $rc
+      ;;
     pp2)
       local q4=$M/qwen4exp-tiny-int4 small=(--max-model-len 4096 --kv-cache-memory-bytes 1073741824)
       model24 || return 1
@@ -211,7 +234,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | default24 | ple-cost | soak24 | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | default24 | ple-cost | soak24 | client24 | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2
@@ -222,7 +245,7 @@ rc=0
 for p in "$@"; do
   case $p in
     models) ;;
-    table24 | sweep24 | streams24 | prefill8k24 | default24 | soak24 | pp2) patched || true ;; # they make their own models
+    table24 | sweep24 | streams24 | prefill8k24 | default24 | soak24 | client24 | pp2) patched || true ;; # they make their own models
     *) models || true ;;
   esac
   run_part "$p" || rc=1

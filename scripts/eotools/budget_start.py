@@ -14,17 +14,22 @@ Every start writes the cold file it serves with, from what the state folder know
   share evenly keeps any one layer from reading most of its experts over PCIe.
 
 Counts from another model, or files that cannot be read, are moved to `set-aside/` with a
-warning and never used. State folder layout:
+warning and never used; the start goes on. One server uses a state folder at a time: a start
+takes the folder's lock and returns it (`Start.lock_fd`) for the server to hold; every file
+is written atomically and durably, and each run's counts are added once, whatever is killed
+when (state_dir, usage_state). State folder layout:
 
-    usage.json          counts of all earlier runs (expert-counts format, cold/README.md)
-    run/                the counting hook's files of the current run
+    .lock               held by the server that uses the folder (its pid, host and start time)
+    usage.json          counts of all earlier runs (expert-counts format, cold/README.md) and
+                        the ids of the runs they include
+    run/<run id>/       the counting hook's files of one run
     set-aside/          files that did not fit the model, renamed with the time
     cold-<GiB>GiB.json  the cold file of the current start
 """
 
 from __future__ import annotations
 
-import datetime
+import os
 import pathlib
 import shlex
 from collections.abc import Callable, Sequence
@@ -32,8 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import state_dir, usage_state
 from .coldset import model_identity, write_cold_file
-from .counts import Counts, CountsError, check_same_model, load_counts, merge_ranks
 from .selection import GiB, SelectionError, expert_bytes, select_cold, stage_layers
 
 Log = Callable[[str], None]
@@ -45,6 +50,10 @@ class Start:
     cold_file: pathlib.Path
     count_file: pathlib.Path
     tokens_learned: int
+    run_id: str = ""
+    # the state folder's lock (state_dir.lock), inheritable: keep it open while the server
+    # runs (exec it with the descriptor open); closing it lets another start take the folder
+    lock_fd: int = -1
 
     def shell(self) -> str:
         """`export` lines for the entrypoint to eval."""
@@ -77,73 +86,6 @@ def initial_placement(
     return cold
 
 
-def fold_run_counts(state: pathlib.Path, identity: dict, log: Log) -> None:
-    """Add the previous run's hook files (state/run/) to state/usage.json, or set them
-    aside when they do not fit this model."""
-    run = state / "run"
-    files = (
-        sorted(p for p in run.glob("*.json") if not p.name.startswith(".")) if run.is_dir() else []
-    )
-    if not files:
-        return
-    try:
-        parts = [load_counts(p) for p in files]
-        counts = merge_ranks(parts)
-        check_same_model([counts], identity)
-    except CountsError as e:
-        _set_aside(state, files, f"the last run's counts do not fit this model: {e}", log)
-        return
-    usage_path = state / "usage.json"
-    history = _load_history(state, identity, log)
-    if history is not None and history.prefill.shape != counts.prefill.shape:
-        _set_aside(state, [usage_path], "the usage history has another shape", log)
-        history = None
-    runs = 1 + (int(history.extra.get("runs", 0)) if history is not None else 0)
-    tokens = {p: counts.tokens(p) + (history.tokens(p) if history else 0) for p in _PHASES}
-    merged = Counts(
-        identity,
-        {"name": "served traffic", "kind": "mixed", "source": str(state), "tokens": tokens},
-        counts.prefill + (history.prefill if history is not None else 0),
-        counts.decode + (history.decode if history is not None else 0),
-        counts.top_k,
-        "scripts/budget-start (counting hook, summed over runs)",
-        {"runs": runs},
-    )
-    merged.save(usage_path)
-    for p in files:
-        p.unlink()
-    log(
-        f"budget-start: added the last run's counts ({sum(counts.tokens(p) for p in _PHASES)} "
-        f"tokens) to {usage_path} ({runs} runs)"
-    )
-
-
-_PHASES = ("prefill", "decode")
-
-
-def _load_history(state: pathlib.Path, identity: dict, log: Log) -> Counts | None:
-    path = state / "usage.json"
-    if not path.exists():
-        return None
-    try:
-        history = load_counts(path)
-        check_same_model([history], identity)
-    except CountsError as e:
-        _set_aside(state, [path], f"the usage history does not fit this model: {e}", log)
-        return None
-    return history
-
-
-def _set_aside(state: pathlib.Path, files: Sequence[pathlib.Path], why: str, log: Log) -> None:
-    aside = state / "set-aside"
-    aside.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    for p in files:
-        if p.exists():
-            p.rename(aside / f"{stamp}-{p.name}")
-    log(f"budget-start: warning: {why}; moved to {aside}, not used")
-
-
 def plan(
     model_dir: pathlib.Path,
     budget_gib: float,
@@ -152,16 +94,36 @@ def plan(
     partition: Sequence[int] | None = None,
     log: Log = print,
 ) -> Start:
-    """Write this start's cold file into `state` and say where the counts go."""
+    """Write this start's cold file into `state` and say where the counts go. Takes the
+    state folder's lock (state_dir.StateDirBusy when another server holds it) and returns
+    it open in `Start.lock_fd`, for the caller to keep until the server is done."""
     identity = model_identity(model_dir)
     num_layers, num_experts = identity["num_layers"], identity["num_experts"]
     if not num_experts:
         raise SelectionError(f"{model_dir}/config.json names no routed experts")
     stages = stage_layers(num_layers, pp_size, partition)
+    lock_fd = state_dir.lock(state)
+    try:
+        return _plan_locked(model_dir, budget_gib, pp_size, state, identity, stages, log, lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _plan_locked(
+    model_dir: pathlib.Path,
+    budget_gib: float,
+    pp_size: int,
+    state: pathlib.Path,
+    identity: dict,
+    stages: Sequence[range],
+    log: Log,
+    lock_fd: int,
+) -> Start:
+    num_experts = identity["num_experts"]
     per_expert = expert_bytes(model_dir)
-    state.mkdir(parents=True, exist_ok=True)
-    fold_run_counts(state, identity, log)
-    history = _load_history(state, identity, log)
+    state_dir.remove_stale_temps(state)
+    history = usage_state.fold_runs(state, identity, log)
     initial = initial_placement(stages, num_experts, [budget_gib], per_expert)
     learned = history is not None and history.tokens("decode") > 0
     if learned:
@@ -196,9 +158,10 @@ def plan(
     )
     kind = "learned" if learned else "initial"
     log(f"budget-start: {kind} placement, {budget_gib:g} GiB per card: {how}; wrote {out}")
-    return Start(
-        kind, out, state / "run" / "counts.json", history.tokens("decode") if learned else 0
-    )
+    run_id = usage_state.new_run_id()
+    count_file = usage_state.begin_run(state, run_id)
+    tokens = history.tokens("decode") if learned else 0
+    return Start(kind, out, count_file, tokens, run_id, lock_fd)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -212,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Write the cold file of a budget-only start (no hand-made cold file) "
         "and print the environment that serves with it and counts usage for the next "
         "start. Stdout: `export` lines for a shell to eval; messages go to stderr.",
-        epilog="Exit codes: 0 written, 1 the model or budget does not allow it, 2 usage.",
+        epilog="Exit codes: 0 written, 1 the model or budget does not allow it, 2 usage, "
+        "3 the state folder is in use by another server or cannot be used.",
     )
     ap.add_argument(
         "--budget-gib", type=float, required=True, help="routed experts on host, GiB per card"
@@ -243,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         start = plan(model_dir, args.budget_gib, args.pp_size or pp, args.state_dir, partition, log)
+    except state_dir.StateDirError as e:
+        log(f"budget-start: error: {e}")
+        return 3
     except (OSError, KeyError, ValueError) as e:  # SelectionError and CountsError included
         log(
             f"budget-start: error: {e}\nfix: point the serve arguments (or --model) at a "

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .state_dir import write_atomic
+
 FORMAT = "vllm-expert-offload/cold-set"
 VERSION = 1
 
@@ -51,8 +53,9 @@ def write_cold_file(
     provenance: dict[str, Any],
     budget: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Write a cold file; refuses one without any host expert, which vLLM refuses at
-    start-up (it would offload nothing)."""
+    """Write a cold file, atomically and durably (a kill leaves the old file or the new
+    one); refuses one without any host expert, which vLLM refuses at start-up (it would
+    offload nothing)."""
     if not any(layers.values()):
         from .selection import SelectionError
 
@@ -71,5 +74,5 @@ def write_cold_file(
         },
         "layers": {str(k): v for k, v in sorted(layers.items()) if v},
     }
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    write_atomic(path, json.dumps(doc, indent=1) + "\n", "cold")
     return doc

@@ -9,6 +9,7 @@ selects the least-used experts; files of another model or unreadable ones are se
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -25,7 +26,9 @@ def plan(model, state, gib=None, pp=2):
     per = expert_bytes(model)
     gib = gib if gib is not None else 6 * per / GiB  # six experts per stage
     messages: list[str] = []
-    return budget_start.plan(model, gib, pp, state, log=messages.append), messages
+    start = budget_start.plan(model, gib, pp, state, log=messages.append)
+    os.close(start.lock_fd)  # the server would hold it; the next start in this test takes it
+    return start, messages
 
 
 def hook_file(model, path, decode, tokens=1000, pp_rank=0, pp_size=1, layers=None, **model_kw):
@@ -58,7 +61,7 @@ def test_the_first_start_spreads_the_budget_evenly(tiny_model, tmp_path):
     assert cold_layers(start.cold_file) == {x: [e - 3, e - 2, e - 1] for x in range(4)}
     doc = json.loads(start.cold_file.read_text())
     assert doc["model"]["num_layers"] == 4 and doc["budget"]["experts_per_stage"] == [6, 6]
-    assert start.count_file == tmp_path / "state" / "run" / "counts.json"
+    assert start.count_file == tmp_path / "state" / "run" / start.run_id / "counts.json"
     assert "initial placement" in messages[-1]
 
 
@@ -107,6 +110,7 @@ def test_counts_of_another_model_are_set_aside(tiny_model, tmp_path):
     assert len(aside) == 2 and any(n.endswith("counts.json") for n in aside)
     assert any(n.endswith("usage.json") for n in aside)
     assert sum("warning" in m and "not used" in m for m in messages) == 2
+    assert any("num_layers 48" in m and "counts.json" in m for m in messages)
 
 
 def test_cli_prints_exports_and_refuses_what_cannot_work(repo_root, tiny_model, tmp_path):
@@ -133,7 +137,8 @@ def test_cli_prints_exports_and_refuses_what_cannot_work(repo_root, tiny_model, 
         capture_output=True,
         text=True,
     ).stdout.strip()
-    assert env == f"{state / 'cold-0.001GiB.json'}|{state / 'run' / 'counts.json'}"
+    (run,) = (state / "run").iterdir()  # this start's run folder, named by its run id
+    assert env == f"{state / 'cold-0.001GiB.json'}|{run / 'counts.json'}"
     assert (
         json.loads((state / "cold-0.001GiB.json").read_text())["budget"]["pipeline_parallel_size"]
         == 2

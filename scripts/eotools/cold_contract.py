@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from typing import Any
 
@@ -129,3 +130,37 @@ def read_text(path: str | os.PathLike[str], max_bytes: int) -> str:
 def read_json(path: str | os.PathLike[str], max_bytes: int, max_depth: int = MAX_DEPTH) -> Any:
     """A regular file of at most ``max_bytes`` read as strict JSON (module docstring)."""
     return parse_json(read_text(path, max_bytes), max_depth)
+
+
+_LAYER_PART = re.compile(r"([0-9]+)(?:\s*-\s*([0-9]+))?")
+
+
+def parse_layer_list(spec: str, variable: str, max_layer: int) -> frozenset[int]:
+    """Layer numbers and ranges separated by commas ("0-5,40"), as the series reads
+    VLLM_EXPERT_HOST_LAYERS; every number at most ``max_layer``, checked before a range is
+    built (a range of billions of layers would take all memory)."""
+    layers: set[int] = set()
+    for raw in spec.split(","):
+        part = raw.strip()
+        if not part:
+            continue
+        m = _LAYER_PART.fullmatch(part) if part.isascii() else None
+        if m is None:
+            raise ContractError(
+                f"{variable}={spec[:80]!r}: cannot read {part[:40]!r}; expected layer numbers "
+                "and ranges separated by commas, such as 0-5,40"
+            )
+        first_text, last_text = m.group(1), m.group(2) or m.group(1)
+        if max(len(first_text), len(last_text)) > MAX_INT_DIGITS:
+            raise ContractError(f"{variable}={spec[:80]!r}: {part[:40]!r} is not a layer number")
+        first, last = int(first_text), int(last_text)
+        if last < first:
+            raise ContractError(
+                f"{variable}={spec[:80]!r}: range {part!r} runs backwards; write {last}-{first}"
+            )
+        if last > max_layer:
+            raise ContractError(
+                f"{variable}={spec[:80]!r}: layer {last} is beyond the last layer, {max_layer}"
+            )
+        layers.update(range(first, last + 1))
+    return frozenset(layers)

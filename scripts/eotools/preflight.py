@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import cuda_probe
+from . import cuda_probe, serve_args, settings
 from .coldcheck import (
     ColdFileError,
     human_bytes,
@@ -140,30 +140,10 @@ class Setup:
 
 
 def parse_serve_args(args: Sequence[str]) -> tuple[str | None, int, int]:
-    """The model, pipeline and tensor parallel sizes of a `vllm serve` command line (the
-    model is the leading positional argument or --model)."""
-    model = args[0] if args and not args[0].startswith("-") else None
-    pp = tp = 1
-    names = {
-        "--model": "model",
-        "--pipeline-parallel-size": "pp",
-        "-pp": "pp",
-        "--tensor-parallel-size": "tp",
-        "-tp": "tp",
-    }
-    values: dict[str, str] = {}
-    for i, arg in enumerate(args):
-        key, eq, inline = arg.partition("=")
-        if key in names:
-            value = inline if eq else (args[i + 1] if i + 1 < len(args) else "")
-            values[names[key]] = value
-    model = values.get("model", model)
-    try:
-        pp = int(values.get("pp", pp))
-        tp = int(values.get("tp", tp))
-    except ValueError as e:
-        raise ValueError(f"cannot read the parallel sizes of the serve arguments: {e}") from None
-    return model, pp, tp
+    """The model, pipeline and tensor parallel sizes of a `vllm serve` command line
+    (eotools/serve_args.py; ServeArgsError, a ValueError, where a size cannot be read)."""
+    serve = serve_args.parse(args)
+    return serve.model, serve.pp, serve.tp
 
 
 # --- vllm: the pinned release with the series applied -----------------------------------------
@@ -286,11 +266,13 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
     problems = model_mismatches(cold, model, host_layers)
     if problems:
         return [Result("cold-file", "fail", f"{where}: " + "; ".join(problems), fix)], cold
+    # the budget a cold file states is for its own experts, not VLLM_EXPERT_HOST_LAYERS'
+    # whole layers (the series' budget check counts the same)
     try:
-        plan = plan_host_experts(cold, model, setup.pp, setup.host_layers, setup.pp_partition)
+        own = plan_host_experts(cold, model, setup.pp, "", setup.pp_partition)
     except SelectionError as e:
         return [Result("cold-file", "fail", str(e), "fix --pipeline-parallel-size")], cold
-    over = over_budget(cold, plan, setup.pp)
+    over = over_budget(cold, own, setup.pp)
     if over:
         return [Result("cold-file", "fail", f"{where}: {over}", fix)], cold
     n = sum(len(v) for v in cold["layers"].values())
@@ -617,7 +599,8 @@ def exit_code(results: Sequence[Result]) -> int:
     return EXIT_OK
 
 
-def report(results: Sequence[Result], out=sys.stdout) -> None:
+def report(results: Sequence[Result], out=None) -> None:
+    out = out or sys.stdout
     for r in results:
         print(f"preflight: {r.status.upper():4} {r.check}: {r.message}", file=out)
         if r.fix and r.status in ("fail", "warn"):
@@ -689,17 +672,43 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return ap.parse_args(own), serve
 
 
+# the settings the preflight reads from the environment (eotools/settings.py checks them)
+READS = (
+    "VLLM_EXPERT_COLD_FILE",
+    "VLLM_EXPERT_HOST_LAYERS",
+    "VLLM_PP_LAYER_PARTITION",
+    "VLLM_PLE_TABLE",
+    "VLLM_EXPERT_ONE_TABLE",
+    "VLLM_EXPERT_PREFILL_STAGING",
+    "VLLM_EXPERT_VMM_FAIL_AT",
+    "EO_PREFLIGHT_SKIP",
+    "EO_TOPOLOGY",
+)
+
+
+def run(setup: Setup, skip: Sequence[str] = ()) -> int:
+    """Run the checks, print them, and return the exit code (the start program calls this
+    in-process with what it has already read)."""
+    results = run_checks(setup, skip)
+    report(results)
+    return exit_code(results)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, serve = parse(sys.argv[1:] if argv is None else argv)
-    bad = [s for s in args.skip if s not in CHECKS]
-    if bad:
-        print(
-            f"preflight: error: unknown check(s) to skip: {bad}; known: {CHECKS}", file=sys.stderr
-        )
-        return EXIT_USAGE
     try:
+        # the same reading as the start program's, so "HOST" or "yes" is refused here too
+        values = settings.read(os.environ, READS)
+        ple_table = settings.BY_NAME["VLLM_PLE_TABLE"].read(args.ple_table)
+        settings.BY_NAME["VLLM_EXPERT_HOST_LAYERS"].read(args.host_layers)  # bounded
+        bad = [s for s in args.skip if s not in CHECKS]
+        if bad:
+            raise ValueError(f"unknown check(s) to skip: {bad}; known: {CHECKS}")
         model, pp, tp = parse_serve_args(serve)
         topology = get_topology(args.topology)
+    except settings.SettingError as e:
+        print(f"preflight: error: {e}\npreflight:   fix: {e.fix}", file=sys.stderr)
+        return EXIT_USAGE
     except (ValueError, KeyError) as e:
         print(f"preflight: error: {e.args[0]}", file=sys.stderr)
         return EXIT_USAGE
@@ -711,15 +720,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         cold_file=args.cold_file,
         host_layers=args.host_layers,
         pp_partition=os.environ.get("VLLM_PP_LAYER_PARTITION", ""),
-        ple_table=args.ple_table,
-        one_table=os.environ.get("VLLM_EXPERT_ONE_TABLE", "0") == "1",
-        prefill_staging=os.environ.get("VLLM_EXPERT_PREFILL_STAGING", "0") == "1",
-        vmm_fail_at=cuda_probe.injected_failures(),
+        ple_table=ple_table,
+        one_table=values["VLLM_EXPERT_ONE_TABLE"],
+        prefill_staging=values["VLLM_EXPERT_PREFILL_STAGING"],
+        vmm_fail_at=set(values["VLLM_EXPERT_VMM_FAIL_AT"] or ()),
         meminfo=args.meminfo,
         cgroup_root=args.cgroup_root,
         site=args.site,
         reserve_gib=args.reserve_gib,
     )
-    results = run_checks(setup, args.skip)
-    report(results)
-    return exit_code(results)
+    return run(setup, args.skip)

@@ -667,3 +667,19 @@ def test_exit_code_is_the_first_failure():
     ]
     assert pf.exit_code(results) == 4
     assert pf.exit_code([pf.Result("gpus", "warn", "")]) == 0
+
+
+def test_a_cold_files_budget_is_for_its_own_experts(tmp_path):
+    """Whole layers of VLLM_EXPERT_HOST_LAYERS come on top of the budget a cold file states
+    (the series checks the file's own experts against it): a budget-only start's file with
+    host layers beside it is not over its budget."""
+    model = make_model(tmp_path)  # 8 layers, 2 MiB experts
+    budget = {"pipeline_parallel_size": 2, "gib_per_stage": [0.25, 0.25]}  # 128 experts
+    cold = make_cold(tmp_path, {1: list(range(100)), 5: list(range(100))}, budget=budget)
+    s = setup_for(tmp_path, model=str(model), pp=2, cold_file=str(cold), host_layers="0,4")
+    [r] = only(pf.run_checks(s, skip=["vllm"]), "cold-file")
+    assert r.status == "ok", r
+    over = make_cold(tmp_path, {1: list(range(200))}, budget=budget, name="over.json")
+    s = setup_for(tmp_path, model=str(model), pp=2, cold_file=str(over))
+    [r] = only(pf.run_checks(s, skip=["vllm"]), "cold-file")
+    assert r.status == "fail" and "made for 0.25 GiB per stage" in r.message

@@ -118,3 +118,28 @@ def test_the_command_line_reads_vllm_ple_table(monkeypatch):
     monkeypatch.setenv("VLLM_PLE_TABLE", "host")
     args, _ = pf.parse([])
     assert args.ple_table == "host"
+
+
+@pytest.mark.parametrize("value", ["HOST", "Host", "", "cpu"])
+def test_the_preflight_reads_vllm_ple_table_as_vllm_does(repo_root, tmp_path, value):
+    """vLLM compares VLLM_PLE_TABLE case-sensitively and refuses anything but gpu and host:
+    the preflight neither reads "HOST" as gpu (leaving the tables out of its memory check)
+    nor lets it pass. Empty means unset (gpu)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_PLE_TABLE": value, "EO_PREFLIGHT_SKIP": "vllm,gpus,host-mapping"}
+    r = subprocess.run(
+        [sys.executable, str(repo_root / "scripts/preflight"), "--", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if value == "":
+        assert r.returncode == 0, r.stdout + r.stderr
+        return
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"VLLM_PLE_TABLE={value!r}" in r.stderr and "fix:" in r.stderr
+    assert ("write host" in r.stderr) == (value.lower() == "host")
+    assert "Traceback" not in r.stderr

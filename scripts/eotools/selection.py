@@ -120,14 +120,17 @@ def expert_bytes(model_dir: pathlib.Path) -> int:
 @dataclass(frozen=True)
 class StagePick:
     stage: int
-    layers: range
+    layers: Sequence[int]
     budget_bytes: int
     experts: int  # how many (layer, expert) pairs were taken
     bytes: int
 
 
 def select_cold(
-    usage: np.ndarray, stages: Sequence[range], budgets_gib: Sequence[float], bytes_per_expert: int
+    usage: np.ndarray,
+    stages: Sequence[Sequence[int]],
+    budgets_gib: Sequence[float],
+    bytes_per_expert: int,
 ) -> tuple[dict[int, list[int]], list[StagePick]]:
     """Per stage, the least-used experts of its layers until the budget is reached."""
     if len(budgets_gib) == 1:

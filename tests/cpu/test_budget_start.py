@@ -166,3 +166,78 @@ def test_initial_placement_never_exceeds_the_budget(layers, pp):
         assert n == 10  # exactly the budget's experts, spread over the stage's layers
         counts = [len(cold.get(x, [])) for x in s]
         assert max(counts) - min(counts) <= 1
+
+
+def test_the_stages_follow_the_layer_partition(tiny_model, tmp_path):
+    """VLLM_PP_LAYER_PARTITION=1,3 splits as vLLM does: stage 0 is layer 0 alone."""
+    per = expert_bytes(tiny_model)
+    start = budget_start.plan(tiny_model, 6 * per / GiB, 2, tmp_path / "s", [1, 3], log=print)
+    doc = json.loads(start.cold_file.read_text())
+    assert doc["budget"]["layer_partition"] == [1, 3]
+    assert doc["budget"]["experts_per_stage"] == [6, 6]
+    assert len(cold_layers(start.cold_file)[0]) == 6  # the whole stage-0 budget in layer 0
+
+
+def test_host_layers_stay_out_of_the_cold_file(tiny_model, tmp_path):
+    """vLLM refuses a cold file naming a layer of VLLM_EXPERT_HOST_LAYERS: the budget goes
+    to the stage's other layers; a stage that is all host layers gets no expert, said once."""
+    per = expert_bytes(tiny_model)
+    messages: list[str] = []
+    start = budget_start.plan(
+        tiny_model, 6 * per / GiB, 2, tmp_path / "a", None, messages.append, frozenset({0})
+    )
+    layers = cold_layers(start.cold_file)
+    assert 0 not in layers and len(layers[1]) == 6  # stage 0 is layers 0-1
+    start = budget_start.plan(
+        tiny_model, 6 * per / GiB, 2, tmp_path / "b", None, messages.append, frozenset({0, 1})
+    )
+    assert set(cold_layers(start.cold_file)) == {2, 3}
+    assert sum("every layer of pipeline stage 0 (0-1)" in m for m in messages) == 1
+    with pytest.raises(ValueError, match=r"names layer\(s\) 4-5, but the model has 4"):
+        budget_start.plan(tiny_model, 0.001, 1, tmp_path / "c", None, print, frozenset({4, 5}))
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--budget-gib", "inf"], "--budget-gib 'inf': not a finite"),
+        (["--budget-gib", "nan"], "--budget-gib 'nan': not a finite"),
+        (["--budget-gib", "0"], "--budget-gib '0': outside > 0"),
+        (["--budget-gib", "1", "--layer-partition", "2,x"], "--layer-partition '2,x'"),
+        (["--budget-gib", "1", "--host-layers", "3-1"], "runs backwards"),
+        (["--budget-gib", "1", "--", "/m", "-pp", "zero"], "parallel sizes"),
+    ],
+)
+def test_cli_refuses_bad_values_with_usage(repo_root, tmp_path, argv, says):
+    tool = [sys.executable, str(repo_root / "scripts/budget-start")]
+    r = subprocess.run([*tool, "--state-dir", str(tmp_path), *argv], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_reads_the_partition_and_host_layers_vllm_reads(repo_root, tiny_model, tmp_path):
+    """Run on its own, budget-start splits as vLLM will with this environment."""
+    env = {**os.environ, "VLLM_PP_LAYER_PARTITION": "1,3", "VLLM_EXPERT_HOST_LAYERS": "2"}
+    r = subprocess.run(
+        [sys.executable, str(repo_root / "scripts/budget-start"), "--budget-gib", "0.001"]
+        + ["--state-dir", str(tmp_path / "s"), "--", str(tiny_model), "-pp", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((tmp_path / "s" / "cold-0.001GiB.json").read_text())
+    assert doc["budget"]["layer_partition"] == [1, 3] and "2" not in doc["layers"]
+
+
+def test_budget_start_does_not_need_the_preflight(repo_root, tiny_model, tmp_path):
+    """The earlier step of a start does not import the later one."""
+    code = (
+        "import sys; sys.modules['eotools.preflight'] = None\n"
+        f"sys.path.insert(0, {str(repo_root / 'scripts')!r})\n"
+        "from eotools.budget_start import main\n"
+        f"sys.exit(main(['--budget-gib', '0.001', '--state-dir', {str(tmp_path)!r}, "
+        f"'--model', {str(tiny_model)!r}]))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -25,6 +25,7 @@ import zipfile
 import pytest
 from eodev import dockerfile
 from eodev.cache import cache_dir
+from eotools import settings
 from eotools.pin import PIN
 from eotools.preflight import Setup, check_vllm
 
@@ -322,9 +323,11 @@ def run_entrypoint(
     log = fake_vllm(tmp_path / "bin", env_vars, vllm_body)
     python = pathlib.Path(sys.executable).parent
     env = {
-        **{k: v for k, v in os.environ.items() if k != "VLLM_EXPERT_COLD_FILE"},
+        # none of the settings of this shell: the start program reads them all
+        **{k: v for k, v in os.environ.items() if k not in settings.BY_NAME},
         "PATH": f"{tmp_path / 'bin'}{os.pathsep}{python}{os.pathsep}/usr/bin:/bin",
         "EO_HOME": str(repo_root),
+        "VLLM_API_KEY": "test-key",
         **env_extra,
     }
     r = subprocess.run(

@@ -78,6 +78,8 @@ def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
     assert args[0] == str(work / "tiny")  # compose's /models/tiny, where this host has it
     assert args[args.index("--served-model-name") + 1] == "tiny"
     assert args[args.index("--port") + 1] == str(port)
+    # without an API key, on this host's loopback only
+    assert args[args.index("--host") + 1] == "127.0.0.1"
     # this host's extra arguments come after the compose file's
     assert args.index("--attention-backend") > args.index("--kv-cache-memory-bytes")
     assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN"
@@ -106,6 +108,7 @@ def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root
         "4096",
     ]
     shell = {**env, "ONE_TABLE": "0", "SERVED_MODEL_NAME": "q4"}  # the shell wins
+    shell["VLLM_API_KEY"] = "not-for-serve-local"  # its checks send no key: dropped
     for _ in range(2):  # a second start in the same WORKDIR keeps the first one's log
         r = subprocess.run(command, env=shell, capture_output=True, text=True, timeout=600)
         out = r.stdout + r.stderr
@@ -130,6 +133,7 @@ def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root
     assert seen["EO_HOST_BUDGET_GIB"] == "7.6"
     assert seen["VLLM_EXPERT_COLD_FILE"] == ""
     assert seen["EO_STATE_DIR"] == str(work / "state") and (work / "state").is_dir()
+    assert seen["EO_ALLOW_NO_API_KEY"] == "1" and "VLLM_API_KEY" not in seen
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,7 @@ def test_the_context_ships_eotools_and_only_the_test_model_of_eodev(context):
     assert (scripts / "eotools/preflight.py").is_file()
     assert {p.name for p in scripts.iterdir()} >= {
         "entrypoint.sh",
+        "start",  # what the entrypoint execs
         "apply-patches.sh",
         "series-digest",
         "preflight",

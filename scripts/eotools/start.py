@@ -30,7 +30,7 @@ import threading
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
-from . import serve_args, settings
+from . import serve_args, settings, state_dir
 from .cold_contract import ContractError, read_text
 
 PROG = "start"
@@ -40,6 +40,7 @@ EXIT_USAGE = 2  # a serve argument or the model's config.json cannot be read
 EXIT_COLD_FILE = 6  # the cold file asked for is not there (the preflight's cold-file code)
 EXIT_SETTING = 8
 EXIT_API_KEY = 9
+EXIT_STATE = 10  # the state folder is held by another server, or cannot be used
 EXIT_NO_VLLM = 127
 STOP_GRACE_S = 2.0  # after a signal, the longest the start may take to stop on its own
 MAX_CONFIG_BYTES = 16 << 20
@@ -66,6 +67,7 @@ exit codes (before vLLM starts; after it, vLLM's own):
        6 also: the cold file VLLM_EXPERT_COLD_FILE names is not there
   {EXIT_SETTING}    a setting is refused
   {EXIT_API_KEY}    no API key, or its file cannot be read
+  {EXIT_STATE}   EO_STATE_DIR is held by another server, or cannot be used
   {EXIT_NO_VLLM}  no `vllm` command on PATH
   130  stopped by SIGINT, 143 stopped by SIGTERM
 """
@@ -281,6 +283,9 @@ def missing_cold_file(cold: str, budget: float | None) -> StartError | None:
     )
 
 
+_held_fds: list[int] = []
+
+
 def budget_only_start(
     values: Mapping[str, Any], environ: Mapping[str, str], serve: serve_args.ServeArgs, model
 ) -> dict[str, str]:
@@ -306,6 +311,9 @@ def budget_only_start(
 
     try:
         start = budget_start.plan(model.path, budget, serve.pp, state, partition, log, host)
+    except state_dir.StateDirError as e:  # "<problem>: fix: <fix>" or "<problem>; fix: <fix>"
+        problem, _, fix = str(e).partition(" fix: ")
+        raise StartError(EXIT_STATE, problem.rstrip(":; "), fix or "check EO_STATE_DIR") from None
     except (OSError, KeyError, ValueError, struct.error, OverflowError) as e:
         # SelectionError and CountsError are ValueErrors; struct.error: a cut safetensors file
         raise StartError(
@@ -314,6 +322,9 @@ def budget_only_start(
             "give a budget smaller than the routed experts of one pipeline stage, a state "
             "folder the start can write (EO_STATE_DIR), or a cold file (COLD_FILE)",
         ) from None
+    # the folder's lock stays held through the exec: vLLM inherits the descriptor, so a
+    # second server on this folder is refused until this one exits, however it exits
+    _held_fds.append(start.lock_fd)
     count = environ.get("VLLM_EXPERT_COUNT_FILE")
     if count and count != str(start.count_file):
         say(

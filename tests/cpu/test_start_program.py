@@ -566,7 +566,8 @@ def budget_start(tmp_path, tiny_model, pp: int, **env):
     assert "OK   cold-file" in r.stdout, r.stdout
     env_seen, args = execd(log)
     assert args == ["serve", str(tiny_model), "--pipeline-parallel-size", str(pp)]
-    assert env_seen["VLLM_EXPERT_COUNT_FILE"] == str(state / "run" / "counts.json")
+    count = pathlib.Path(env_seen["VLLM_EXPERT_COUNT_FILE"])  # run/<run id>/counts.json
+    assert count.parent.parent == state / "run" and count.name == "counts.json"
     return cold_of(env_seen), r
 
 
@@ -588,6 +589,35 @@ def test_a_budget_only_start_leaves_the_host_layers_out(tmp_path, tiny_model):
     cold, r = budget_start(tmp_path, tiny_model, 2, VLLM_EXPERT_HOST_LAYERS="0-1")
     assert set(cold["layers"]) == {"2", "3"} and cold["budget"]["experts_per_stage"][0] == 0
     assert r.stderr.count("every layer of pipeline stage 0 (0-1) is in VLLM_EXPERT_HOST") == 1
+
+
+def test_the_state_folder_stays_locked_while_vllm_serves(tmp_path, tiny_model):
+    """budget-start's lock on EO_STATE_DIR is inherited by the exec'd `vllm serve`: while
+    it runs, a second start on the folder stops with exit 10 and says why; once it is gone
+    (however it ended), the folder is free again."""
+    state = tmp_path / "state"
+    env = dict(EO_HOST_BUDGET_GIB="0.001", EO_STATE_DIR=str(state))
+    log = fake_vllm(tmp_path / "bin")
+    serving = tmp_path / "bin" / "vllm"
+    serving.write_text(serving.read_text() + "exec sleep 60\n")  # keeps the inherited fd
+    first = subprocess.Popen(
+        [str(ENTRYPOINT), str(tiny_model)], env=start_env(tmp_path, **env), cwd=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not log.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert log.exists() and first.poll() is None, "the first start did not reach vllm"
+        second = tmp_path / "second"
+        r, _ = run_start(second, [str(tiny_model)], **env)
+        assert r.returncode == 10, r.stdout + r.stderr
+        assert f"the state folder {state} is in use by another server" in r.stderr
+        assert "fix: stop the other server" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        first.kill()
+        first.wait()
+    r, _ = run_start(tmp_path / "third", [str(tiny_model)], **env)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_a_cold_file_wins_over_the_budget_and_says_so(tmp_path, tiny_model):

@@ -342,12 +342,54 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "VLLM_PLE_TABLE",
-        choice(("gpu", "host")),
+        choice(("gpu", "host", "file", "auto")),
         "gpu",
         "Qwen4Exp: where each PLE layer's n-gram table lives (95.37 GiB BF16): gpu (VRAM, "
-        "upstream) or host (page-locked host memory read through UVA); lower case only, as "
-        "vLLM reads it",
+        "upstream), host (page-locked host memory read through UVA), file (left in the "
+        "checkpoint's safetensors files, read through the page cache) or auto (host where "
+        "the host's free memory covers it with a margin, else file; the compose files' "
+        "default); lower case only, as vLLM reads it",
         "vLLM",
+    ),
+    Setting(
+        "VLLM_PLE_PREFETCH_THREADS",
+        integer(0, 256),
+        "8",
+        "VLLM_PLE_TABLE=file: threads reading a new request's n-gram rows into the page cache "
+        "before its prefill (0: none)",
+        "vLLM",
+    ),
+    Setting(
+        "VLLM_PLE_AUTO_RESERVE_GB",
+        number(0, 1_000_000),
+        "8",
+        "VLLM_PLE_TABLE=auto: host memory (GiB) kept for vLLM's processes before the tables "
+        "are pinned",
+        "vLLM",
+    ),
+    Setting(
+        "VLLM_PLE_AUTO_HOST_EXPERTS_GB",
+        number(0, 1_000_000),
+        "",
+        "VLLM_PLE_TABLE=auto: host memory (GiB) the host experts take (unset: "
+        "EO_HOST_BUDGET_GIB x GPUs)",
+        "vLLM",
+    ),
+    Setting(
+        "VLLM_PLE_MIN_READS_PER_S",
+        number(0, 100_000_000),
+        "2000",
+        "VLLM_PLE_TABLE=file: warn at start-up when the table's drive gives fewer random "
+        "4 KiB reads per second",
+        "vLLM",
+    ),
+    _flag(
+        "VLLM_PLE_FILE_EVICT",
+        "0",
+        "measurements only: 1 drops the table's pages from the page cache when it is opened",
+        "vLLM",
+        "a cold start",
+        "keep the page cache",
     ),
     Setting(
         "VLLM_EXPERT_VMM_FAIL_AT",

@@ -576,7 +576,7 @@ class Serving:
     max_num_batched_tokens: int
     kv_cache_memory_bytes: int | None
     mamba_cache_mode: str
-    ple_table: str  # "gpu" or "host"
+    ple_table: str  # VLLM_PLE_TABLE: "gpu", "host", "file" or "auto"
     host_gib_per_card: float
     layer_partition: list[int] | None
     prefill_staging: bool = False  # VLLM_EXPERT_PREFILL_STAGING=1
@@ -737,11 +737,13 @@ class Plan:
     expert_bytes: int
     cards: list[Card]
     host_experts: int
-    host_ple_table: int
+    host_ple_table: int  # page-locked (VLLM_PLE_TABLE=host)
     host_reserve: int
-    host_total: int
+    host_total: int  # what must be resident: experts, pinned tables, reserve
     not_loaded: dict[str, int]
     notes: list[str]
+    ple_page_cache: int = 0  # file/auto: page cache the table wants (not locked, not counted)
+    host_total_pinned: int = 0  # auto: what it needs to pin the tables (+10% margin to choose)
 
     @property
     def fits(self) -> bool:
@@ -889,7 +891,13 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
             )
         )
     host_experts = sum(c.host_experts + c.one_table_host for c in cards)
-    host_ple = sum(c.ple_table for c in cards) if s.ple_table == "host" else 0
+    all_ple = sum(c.ple_table for c in cards)
+    host_ple = all_ple if s.ple_table == "host" else 0
+    page_cache = 0
+    if s.ple_table in ("file", "auto") and shape.ple_layer_ids:
+        page_cache = min(
+            all_ple, len(set(shape.ple_layer_ids)) * s.max_model_len * shape.ngram_heads * 4096
+        )
     reserve = int((HOST_RESERVE_GIB_BASE + HOST_RESERVE_GIB_PER_GPU * s.pp_size) * GiB)
     if budget and not weights.expert_bytes:
         notes.append("no routed experts found: the host budget places nothing")
@@ -923,6 +931,8 @@ def make_plan(shape: ModelShape, weights: Weights, s: Serving, model: str = "") 
         host_ple_table=host_ple,
         host_reserve=reserve,
         host_total=host_experts + host_ple + reserve,
+        ple_page_cache=page_cache,
+        host_total_pinned=host_experts + all_ple + reserve if s.ple_table == "auto" else 0,
         not_loaded={k: v for k, v in weights.outside.items() if k in (MTP, VISION) and v},
         notes=notes,
     )
@@ -983,11 +993,24 @@ def render_markdown(p: Plan) -> str:
         "|---|---:|",
         f"| routed experts on host (all cards{', one table included' if s.one_table else ''})"
         f" | {_g(p.host_experts)} |",
-        f"| PLE n-gram table | {_g(p.host_ple_table)} |",
+        f"| PLE n-gram table, page-locked | {_g(p.host_ple_table)} |",
         f"| vLLM's processes, pinned staging (preflight estimate) | {_g(p.host_reserve)} |",
         f"| **total** | **{_g(p.host_total)}** |",
-        "",
     ]
+    if s.ple_table in ("file", "auto"):
+        lines.append(
+            f"| page cache for the PLE table read from file (not locked, not in the total) "
+            f"| {_g(p.ple_page_cache)} |"
+        )
+    lines.append("")
+    if s.ple_table == "auto":
+        lines += [
+            f"VLLM_PLE_TABLE=auto page-locks the PLE table when MemAvailable and the "
+            f"container's room cover {_g(p.host_total_pinned * 1.1)} GiB (experts, table and "
+            f"reserve, +10%; total if pinned {_g(p.host_total_pinned)}); otherwise it reads "
+            f"the table from the checkpoint file and needs the total above.",
+            "",
+        ]
     for c in p.cards:
         if not c.kv_fits:
             lines.append(
@@ -1153,9 +1176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mamba-cache-mode", choices=["none", "align", "all"])
     ap.add_argument(
         "--ple-table",
-        choices=["gpu", "host"],
+        choices=["gpu", "host", "file", "auto"],
         help="where the PLE n-gram table "
-        "lives (VLLM_PLE_TABLE; default: the compose file's, else gpu as upstream)",
+        "lives (VLLM_PLE_TABLE; default: the compose file's, else gpu as upstream): host "
+        "counts it page-locked, file counts the page cache it wants apart (not locked), auto "
+        "counts file and says what pinning would need",
     )
     ap.add_argument("--layer-partition", help="VLLM_PP_LAYER_PARTITION, e.g. 25,23")
     ap.add_argument(

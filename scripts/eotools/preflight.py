@@ -29,7 +29,7 @@ import resource
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import cuda_probe, serve_args, settings
@@ -46,7 +46,7 @@ from .coldcheck import (
 )
 from .hostmem import cgroup_memory, mem_available
 from .pin import PIN, ROOT
-from .ple_table import ple_tables
+from .ple_table import choose_placement, ple_tables, table_file_problems
 from .selection import GiB, SelectionError
 from .topologies import TOPOLOGIES, Topology, get_topology
 
@@ -113,7 +113,7 @@ class Setup:
     cold_file: str | None = None
     host_layers: str = ""
     pp_partition: str = ""
-    ple_table: str = "gpu"  # VLLM_PLE_TABLE: "host" puts Qwen4Exp's n-gram tables in host memory
+    ple_table: str = "gpu"  # VLLM_PLE_TABLE: gpu, host (page-locked), file, auto
     one_table: bool = False  # VLLM_EXPERT_ONE_TABLE=1: offload-03 with the runtime swap
     prefill_staging: bool = False  # VLLM_EXPERT_PREFILL_STAGING=1
     vmm_fail_at: set[str] = field(default_factory=set)  # VLLM_EXPERT_VMM_FAIL_AT (tests)
@@ -348,7 +348,103 @@ def expert_host_need(setup: Setup, cold: dict[str, Any] | None) -> tuple[int, st
     )
 
 
+def _host_room(setup: Setup) -> tuple[int, str] | None:
+    """The smaller of MemAvailable and the container's room, and where it comes from."""
+    avail = mem_available(setup.meminfo)
+    cg = cgroup_memory(setup.cgroup_root)
+    rooms = []
+    if avail is not None:
+        rooms.append((avail, f"MemAvailable ({setup.meminfo})"))
+    if cg is not None:
+        rooms.append(
+            (
+                cg.room,
+                f"the container's memory limit {cg.limit / GiB:.1f} GiB less "
+                f"{cg.usage / GiB:.1f} GiB in use ({cg.source})",
+            )
+        )
+    return min(rooms) if rooms else None
+
+
+def resolve_ple_table(setup: Setup, cold: dict[str, Any] | None) -> tuple[str, list[Result]]:
+    """VLLM_PLE_TABLE=auto decided as vLLM decides it (ple_table.choose_placement), and for
+    file (or auto choosing file) the tables' bytes checked in the checkpoint's files: where
+    the tables will live, and what to print."""
+    if setup.ple_table not in ("file", "auto") or not setup.model:
+        return setup.ple_table, []
+    model_dir = pathlib.Path(setup.model)
+    cfg_file = model_dir / "config.json"
+    label = f"VLLM_PLE_TABLE={setup.ple_table}"
+    if not cfg_file.is_file():
+        return "file", [
+            Result(
+                "host-memory",
+                "warn",
+                f"{label}: no local config.json, so the n-gram tables are not checked here; "
+                "vLLM checks them at start-up",
+            )
+        ]
+    try:
+        cfg = json.loads(cfg_file.read_text())
+        tables = ple_tables(cfg)
+    except (ValueError, KeyError) as e:
+        return "file", [Result("host-memory", "fail", f"{label}: {e}", "fix config.json")]
+    if not tables:
+        return "gpu", []
+    nbytes = sum(t.nbytes for t in tables)
+    out: list[Result] = []
+    if setup.ple_table == "auto":
+        experts = expert_host_need(setup, cold) if setup.offload_configured else None
+        expert_bytes = experts[0] if isinstance(experts, tuple) else 0
+        reserve_gib = setup.reserve_gib
+        if reserve_gib is None:
+            reserve_gib = RESERVE_GIB_BASE + RESERVE_GIB_PER_GPU * setup.gpus_needed
+        room = _host_room(setup)
+        placement, need = choose_placement(
+            room[0] if room else 0, nbytes, expert_bytes, int(reserve_gib * GiB)
+        )
+        figures = (
+            f"n-gram tables {nbytes / GiB:.2f} GiB + host experts {expert_bytes / GiB:.2f} "
+            f"GiB + reserve {reserve_gib:.2f} GiB, +10% = {need / GiB:.2f} GiB"
+        )
+        free = f"{room[0] / GiB:.2f} GiB free ({room[1]})" if room else "free memory unknown"
+        if placement == "host":
+            out.append(
+                Result("host-memory", "ok", f"{label}: page-locks the tables: {figures}; {free}")
+            )
+            return "host", out
+        out.append(
+            Result(
+                "host-memory",
+                "ok",
+                f"{label}: reads the tables from the checkpoint file: {figures} exceeds {free}",
+            )
+        )
+    problems = table_file_problems(model_dir, cfg)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        out.append(Result("host-memory", "fail", problems[0][0] + more, problems[0][1]))
+    else:
+        out.append(
+            Result(
+                "host-memory",
+                "ok",
+                f"PLE n-gram tables ({len(tables)} x {nbytes / len(tables) / GiB:.2f} GiB) read "
+                "from the checkpoint's safetensors files through the page cache: nothing "
+                "page-locked",
+            )
+        )
+    return "file", out
+
+
 def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]:
+    placement, ple_results = resolve_ple_table(setup, cold)
+    if any(r.status == "fail" for r in ple_results):
+        return ple_results
+    return ple_results + _check_host_memory(replace(setup, ple_table=placement), cold)
+
+
+def _check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]:
     ple = ple_host_need(setup)
     if not setup.offload_configured and not isinstance(ple, tuple):
         return (
@@ -365,28 +461,19 @@ def check_host_memory(setup: Setup, cold: dict[str, Any] | None) -> list[Result]
         return out
     need = sum(n for n, _ in parts)
     what = "; ".join(w for _, w in parts)
-    avail = mem_available(setup.meminfo)
-    cg = cgroup_memory(setup.cgroup_root)
-    rooms = []
-    if avail is not None:
-        rooms.append((avail, f"MemAvailable ({setup.meminfo})"))
-    if cg is not None:
-        rooms.append(
-            (
-                cg.room,
-                f"the container's memory limit {cg.limit / GiB:.1f} GiB less "
-                f"{cg.usage / GiB:.1f} GiB in use ({cg.source})",
-            )
-        )
-    if not rooms:
+    found = _host_room(setup)
+    if found is None:
         return [*out, Result("host-memory", "warn", f"{what}; cannot read how much memory is free")]
-    room, source = min(rooms)
+    room, source = found
     fix = (
         "give the container more memory (compose: deploy.resources.limits.memory), stop "
         "what else uses host memory, or use a smaller cold set"
     )
     if ple is not None and not isinstance(ple, Result):
-        fix += ", or keep the n-gram tables in VRAM (VLLM_PLE_TABLE=gpu)"
+        fix += (
+            ", or read the n-gram tables from the checkpoint file (VLLM_PLE_TABLE=file) or "
+            "keep them in VRAM (VLLM_PLE_TABLE=gpu)"
+        )
     if need > room:
         return [
             *out,
@@ -488,7 +575,7 @@ def check_gpus(setup: Setup) -> list[Result]:
 
 
 def check_host_mapping(setup: Setup) -> list[Result]:
-    if not setup.offload_configured and setup.ple_table != "host":
+    if not setup.offload_configured and setup.ple_table not in ("host", "auto"):
         return [Result("host-mapping", "skip", "no offload configured")]
     probes = setup.probes()
     out = []
@@ -619,7 +706,8 @@ EPILOG = f"""checks, in the order they run (exit code of the first that fails):
   vllm (7)          the installed vLLM is vllm.pin's and the patch series is applied
   cold-file (6)     VLLM_EXPERT_COLD_FILE exists, is well formed and fits the model
   host-memory (4)   host experts (and PLE tables with VLLM_PLE_TABLE=host) fit MemAvailable
-                    and the container's memory limit
+                    and the container's memory limit; VLLM_PLE_TABLE=auto decided as vLLM
+                    decides it; with file, the tables' bytes are in the checkpoint's files
   gpus (3)          PP x TP GPUs visible, each as large as the topology's cards
   host-mapping (5)  the driver page-locks host memory for the GPU; VMM host NUMA mapping
 
@@ -648,10 +736,11 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--host-layers", default=env.get("VLLM_EXPERT_HOST_LAYERS", ""))
     ap.add_argument(
         "--ple-table",
-        choices=("gpu", "host"),
+        choices=("gpu", "host", "file", "auto"),
         default=env.get("VLLM_PLE_TABLE") or "gpu",
         help="where Qwen4Exp's PLE n-gram tables live (VLLM_PLE_TABLE); host: counted in the "
-        "host-memory check",
+        "host-memory check; file: their bytes checked in the checkpoint's files; auto: "
+        "decided as vLLM decides it",
     )
     ap.add_argument(
         "--skip",

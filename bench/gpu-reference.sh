@@ -5,10 +5,9 @@
 #
 # PART is one of
 #   models     the synthetic test models (INT4 8 and 16 layers, BF16 2 layers); every other
-#              part but table24, sweep24, streams24, prefill8k24, default24, soak24, client24
-#              and pp2
-#              (which make the 24-layer model, freeing the disk of these when it is short) makes
-#              them first
+#              part but table24, sweep24, streams24, prefill8k24, default24, soak24, client24,
+#              pp2 (which make the 24-layer model, freeing the disk of these when it is short)
+#              and ple-file (its own model) makes them first
 #              if they are missing, so start this one early (while the vLLM install finishes)
 #              to save time later
 #   tests      every GPU test (tests/gpu), correctness and kernels
@@ -54,6 +53,14 @@
 #              cache, as the real 95 GiB tables are): greedy tokens, decode TPOT, prefill TTFT
 #              (tests/gpu/test_ple_host_table.py; the offline bundle also needs EO_ENGINE_EXTRA
 #              '{"attention_config": {"flash_attn_version": 2}, "gdn_prefill_backend": "triton"}')
+#   ple-file   Qwen4Exp's PLE n-gram tables read from the checkpoint file (VLLM_PLE_TABLE=file)
+#              against page-locked (host), on the tiny Qwen4Exp model with two ~16 GiB tables
+#              (--ngram-vocab-base 34000000; 32 GiB of disk, the other models are not made):
+#              greedy tokens, decode tok/s and p99 ITL, TTFT 2k/8k/32k, cold (pages evicted)
+#              and warm, with and without the arrival prefetch, resident bytes after
+#              (tests/gpu/test_ple_file_table.py: ple-file-vs-pinned.json/.md); then
+#              scripts/bench-ple-file on a 16 GiB table file: the disk's 4 KiB random-read
+#              IOPS at queue depth 1 and 64 and one layer's lookup (ple-file-read.json/.md)
 #   soak24     scripts/soak on the 24-layer model at the 2x32GB default's share (134 of 512):
 #              `vllm serve` with the default offload settings (one table, runtime swap with its
 #              self-check, prefill staging, usage counting) under EO_SOAK_S (default 900) s of
@@ -189,6 +196,17 @@ run_part() {
       EO_QWEN4EXP_MAKE_ARGS="--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 8000000" \
         EO_GPU_MEMORY_UTILIZATION=0.3 part ple-cost "tests:tests/gpu/test_ple_host_table.py -rA -s"
       ;;
+    ple-file)
+      local work=${EO_GPU_WORK:-/tmp/eo-gpu} rc=0
+      EO_QWEN4EXP_MAKE_ARGS="--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 34000000" \
+        EO_GPU_MEMORY_UTILIZATION=0.25 part ple-file "tests:tests/gpu/test_ple_file_table.py -rA -s" || rc=1
+      mkdir -p "$R/ple-file-read"
+      cp "$work"/ple-file-vs-pinned.json "$work"/ple-file-vs-pinned.md "$R/ple-file-read/" || rc=1
+      PYTHONPATH=scripts:${EO_VLLM_PATCHED:-/tmp/vllm-patched}:$EO_VLLM_SITE \
+        timeout 1500 python3 scripts/bench-ple-file --dir "$work/ple-file" --table-gib 16 \
+        --out "$R/ple-file-read/ple-file-read.json" > "$R/ple-file-read/bench.log" 2>&1 || rc=1
+      return $rc
+      ;;
     soak24)
       model24 || return 1
       mkdir -p "$R/soak24"
@@ -234,7 +252,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | default24 | ple-cost | soak24 | client24 | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | default24 | ple-cost | ple-file | soak24 | client24 | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2
@@ -245,7 +263,7 @@ rc=0
 for p in "$@"; do
   case $p in
     models) ;;
-    table24 | sweep24 | streams24 | prefill8k24 | default24 | soak24 | client24 | pp2) patched || true ;; # they make their own models
+    table24 | sweep24 | streams24 | prefill8k24 | default24 | soak24 | client24 | pp2 | ple-file) patched || true ;; # they make their own models
     *) models || true ;;
   esac
   run_part "$p" || rc=1

@@ -620,6 +620,7 @@ def _decode_timing(llm, task: dict) -> dict:
         "decode_tok_s": decode_by_repeat,
         "tpot_ms_p50": pct(0.5),
         "tpot_ms_p90": pct(0.9),
+        "tpot_ms_p99": pct(0.99),
         "itl_samples": len(itl_all),
         "ttft_ms": statistics.median(r["ttft_ms"] for r in runs),
         "decoded_all": decoded_all,

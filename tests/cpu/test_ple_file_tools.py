@@ -246,3 +246,46 @@ def test_the_command_line_takes_file_and_auto(monkeypatch):
     monkeypatch.setenv("VLLM_PLE_TABLE", "auto")
     assert pf.parse([])[0].ple_table == "auto"
     assert pf.parse(["--ple-table", "file"])[0].ple_table == "file"
+
+
+# --- bench-ple-file's parts that need no GPU -------------------------------------------------
+
+
+def test_bench_table_file_is_a_table_vllm_can_plan(tmp_path):
+    from eodev import ple_file_read as bench
+
+    path = tmp_path / "t.safetensors"
+    base, nbytes = bench.write_table(path, 1000, seed=0)
+    assert nbytes == 1000 * 160 * 2 and path.stat().st_size == base + nbytes and base % 8 == 0
+    header = json.loads(path.read_bytes()[8:base])
+    assert header[bench.NAME] == {
+        "dtype": "BF16",
+        "shape": [1000, 160],
+        "data_offsets": [0, nbytes],
+    }
+    values = np.frombuffer(path.read_bytes()[base:], dtype=np.uint16)
+    assert values.min() >= 0x3C00 and values.max() < 0x3F80  # finite BF16 in [2^-7, 1)
+    assert bench.write_table(path, 1000, seed=0) == (base, nbytes)  # kept, not rewritten
+    # resident after reading it all; a drive's random-read rate is positive
+    path.read_bytes()
+    assert bench.resident_bytes(path, base, nbytes) >= nbytes - 4096
+    assert bench.iops(path, base, nbytes, depth=4, reads=64, seed=0) > 0
+
+
+def test_bench_markdown_names_each_case():
+    from eodev import ple_file_read as bench
+
+    case = {"median": 1.0, "p90": 2.0}
+    r = {
+        "table": {"gib": 16.0},
+        "gpu": "H200",
+        "disk": {"iops_qd1": 4500, "iops_qd64": 36000},
+        "decode": {"1": {"file_cold_ms": case, "file_warm_ms": case, "pinned_ms": case}},
+        "prefill": {
+            "8192": {"file_cold_ms": 900.0, "file_cold_prefetch_ms": 300.0, "file_warm_ms": 5.0}
+        },
+        "resident_bytes_after": 2 * GiB,
+    }
+    md = bench.markdown(r)
+    assert "4500 random 4 KiB reads/s at queue depth 1, 36000 at 64" in md
+    assert "| 8192 | 900.0 | 300.0 | 5.0 | - |" in md and "Resident after the run: 2.00 GiB" in md

@@ -102,6 +102,7 @@ TOOLS_WITH_PACKAGES = (
     "make-test-model",
     "bench-host-read",
     "bench-ple-read",
+    "bench-ple-file",
     "prepare-tiny-model",
 )
 

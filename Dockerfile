@@ -11,8 +11,15 @@
 #
 # VLLM_IMAGE's default must be PIN_VLLM_IMAGE of vllm.pin (tests/cpu/test_repo.py checks it):
 # the pin lives in vllm.pin, this line only mirrors it for plain `docker build`.
+# VLLM_IMAGE_DIGEST (sha256:..., empty by default) builds on exactly that image, whatever the
+# tag points to by then: a tag can be moved to other content, a digest cannot. With it the
+# reference is NAME:TAG@DIGEST, which Docker and podman resolve by the digest alone. Read the
+# digest once from a machine you trust, e.g.
+#   docker buildx imagetools inspect vllm/vllm-openai:v0.29.0      # "Digest: sha256:..."
+#   docker build --build-arg VLLM_IMAGE_DIGEST=sha256:... -t vllm-expert-offload .
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.29.0
-FROM ${VLLM_IMAGE}
+ARG VLLM_IMAGE_DIGEST=
+FROM ${VLLM_IMAGE}${VLLM_IMAGE_DIGEST:+@${VLLM_IMAGE_DIGEST}}
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
@@ -54,7 +61,23 @@ RUN digest="$("$EO_HOME/scripts/series-digest")" \
          exit 1; \
        fi
 
+# The user the server runs as: not root, so that a flaw in the server or a model's code gets
+# no more than this user's rights. Fixed ids (2000:2000 unless built with others), so that a
+# state folder bind-mounted from the host can be given to it (compose/README.md, "The image's
+# user and the state folder"). It writes only /state (what a budget-only start learns: usage
+# counts and the cold files it makes), its home (vLLM's and Triton's compile caches) and /tmp
+# (the offload metrics' snapshot folder). /models exists and is its own, so that a new named
+# volume mounted there (compose/tiny.yml) starts out writable by it.
+ARG EO_UID=2000
+ARG EO_GID=2000
+RUN groupadd --gid "$EO_GID" vllm \
+    && useradd --no-log-init --uid "$EO_UID" --gid "$EO_GID" --home-dir /home/vllm --create-home \
+       --shell /usr/sbin/nologin vllm \
+    && install -d -o "$EO_UID" -g "$EO_GID" -m 0750 /state /models
+ENV HOME=/home/vllm
+
 ARG VLLM_IMAGE
+ARG VLLM_IMAGE_DIGEST
 ARG TOPOLOGY=any
 ARG IMAGE_VERSION=dev
 # The repository URL; the image workflow passes it.
@@ -70,8 +93,10 @@ LABEL org.opencontainers.image.title="vllm-expert-offload" \
       org.opencontainers.image.version="${IMAGE_VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="${VLLM_IMAGE}" \
+      org.opencontainers.image.base.digest="${VLLM_IMAGE_DIGEST}" \
       io.vllm-expert-offload.vllm-image="${VLLM_IMAGE}" \
       io.vllm-expert-offload.series.sha256="${SERIES_SHA256}" \
       io.vllm-expert-offload.topology="${TOPOLOGY}"
 
+USER ${EO_UID}:${EO_GID}
 ENTRYPOINT ["/opt/expert-offload/scripts/entrypoint.sh"]

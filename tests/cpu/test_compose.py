@@ -10,9 +10,11 @@ import copy
 import http.server
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from eodev import schemas
@@ -103,7 +105,7 @@ def test_validate_schemas_cli(repo_root, tmp_path):
     (tmp_path / "compose").mkdir()
     good = (repo_root / "compose/tiny.yml").read_text()
     (tmp_path / "compose/good.yml").write_text(good)
-    (tmp_path / "compose/bad.yml").write_text(good.replace("ipc: host", "ipc: [host]"))
+    (tmp_path / "compose/bad.yml").write_text(good.replace("shm_size: 2gb", "shm_size: [2gb]"))
     r = subprocess.run(
         [sys.executable, str(repo_root / "scripts/validate-schemas"), "--root", str(tmp_path)],
         capture_output=True,
@@ -111,7 +113,7 @@ def test_validate_schemas_cli(repo_root, tmp_path):
     )
     assert r.returncode == 1
     assert "compose/good.yml: valid" in r.stdout
-    assert "compose/bad.yml: not valid" in r.stderr and "services.vllm.ipc" in r.stderr
+    assert "compose/bad.yml: not valid" in r.stderr and "services.vllm.shm_size" in r.stderr
 
 
 def test_2x32GB_serves_the_spec_settings(repo_root):
@@ -203,14 +205,18 @@ def test_qwen4exp_services_keep_the_ple_table_on_host(repo_root, name):
 def test_every_service_has_what_serving_needs(path):
     svc = service(path)
     topo = TOPOLOGIES[path.stem]
-    # the image of this topology, which the preflight checks the GPUs against
-    assert svc["build"] == {"context": "..", "args": {"TOPOLOGY": topo.name}}
+    # the image of this topology, which the preflight checks the GPUs against, on the base
+    # image of a digest when one is given (empty: vllm.pin's tag)
+    digest = "${VLLM_IMAGE_DIGEST:-}"
+    assert svc["build"] == {
+        "context": "..",
+        "args": {"TOPOLOGY": topo.name, "VLLM_IMAGE_DIGEST": digest},
+    }
     assert svc["image"] == f"vllm-expert-offload:{topo.name}"
     _, pp, tp = pf.parse_serve_args(svc["command"])
     [gpu] = svc["deploy"]["resources"]["reservations"]["devices"]
     assert gpu["driver"] == "nvidia" and gpu["capabilities"] == ["gpu"]
     assert gpu["count"] == pp * tp == topo.gpus == topo.pipeline_parallel_size * tp
-    assert svc["ipc"] == "host"
     assert svc["ulimits"] == {"memlock": -1}
     assert svc["restart"].startswith("on-failure")
     assert "VLLM_EXPERT_COLD_FILE" in svc["environment"]  # the offload path is active
@@ -218,17 +224,11 @@ def test_every_service_has_what_serving_needs(path):
     mounts = {v[1]: v[0] for v in volumes}
     assert any(v.startswith("${MODEL_DIR:-") for v in svc["volumes"])  # a folder of yours
     assert "/models" in mounts
-    assert substitute(svc["ports"][0], {}) == "8000:8000"
+    assert substitute(svc["ports"][0], {}) == "127.0.0.1:8000:8000"
     hc = svc["healthcheck"]
     assert hc["test"][0] == "CMD" and "/health" in hc["test"][-1]
     if path.stem != "tiny":
-        assert mounts == {
-            "/models": "../models",
-            "/cold": "../cold",
-            "/root/.cache/huggingface": "~/.cache/huggingface",
-            "/state": "../state",
-        }
-        assert any(v.startswith("${HF_CACHE:-") for v in svc["volumes"])
+        assert mounts == {"/models": "../models", "/cold": "../cold", "/state": "../state"}
         # without a cold file at that path, the entrypoint makes a budget-only start
         env = svc["environment"]
         assert float(substitute(env["EO_HOST_BUDGET_GIB"], {})) > 0
@@ -302,3 +302,156 @@ def test_tiny_service_makes_its_model_and_cold_file(repo_root, tmp_path):
     r = subprocess.run([*cmd, str(out_cold)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.count("is there") == 2
     assert stamp == ((out_model / "config.json").stat().st_mtime_ns, out_cold.stat().st_mtime_ns)
+
+
+# --- closed by default ----------------------------------------------------------------------
+
+MIB = 1 << 20
+# vLLM 0.29.0's shared-memory rings, which it sizes up front and checks against /dev/shm at
+# start (distributed/device_communicators/shm_broadcast.py, v1/executor/multiproc_executor.py):
+# the scheduler's broadcast to the workers (10 chunks of VLLM_MQ_MAX_CHUNK_BYTES_MB, 16 MiB)
+# and one ring per worker for its outputs (10 x 24 MiB)
+SHM_BROADCAST = 10 * 16 * MIB
+SHM_PER_WORKER = 10 * 24 * MIB
+# how long vLLM's own shutdown may take before it kills what is left: the engine process
+# (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s), the workers (5 s), then 4 s after its SIGTERM
+VLLM_SHUTDOWN_S = 5 + 5 + 4
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def size_bytes(value: str | int) -> int:
+    """A Compose byte value (2gb, 512m, 1073741824) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([bkmg]?)i?b?", str(value).strip().lower())
+    assert m, f"not a byte value: {value!r}"
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def duration_s(value: str) -> float:
+    """A Compose duration (60s, 1m30s, 2m) in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", value)
+    assert parts and "".join(n + u for n, u in parts) == value, f"not a duration: {value!r}"
+    scale = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * scale[u] for n, u in parts)
+
+
+def mounts_of(svc: dict) -> dict[str, tuple[str, str]]:
+    """Each mount's target: (its source at the defaults, "ro" or "rw")."""
+    out = {}
+    for v in svc["volumes"]:
+        source, target, *mode = substitute(v, {}).split(":")
+        out[target] = (source, "ro" if mode == ["ro"] else "rw")
+    return out
+
+
+def test_the_helpers_read_compose_values():
+    assert size_bytes("2gb") == size_bytes("2g") == 2 << 30 and size_bytes(512) == 512
+    assert duration_s("60s") == 60 and duration_s("1m30s") == 90
+    with pytest.raises(AssertionError):
+        duration_s("60")
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_every_service_is_closed_by_default(path):
+    svc = service(path)
+    env = svc["environment"]
+    # the API on this host only, unless BIND_ADDRESS says otherwise
+    [port] = svc["ports"]
+    assert substitute(port, {}) == "127.0.0.1:8000:8000"
+    assert substitute(port, {"BIND_ADDRESS": "0.0.0.0", "PORT": "9000"}) == "0.0.0.0:9000:8000"
+    # the key from this shell or an env file (or the secret's file, the start's default path);
+    # starting without one is an opt-in, off by default
+    assert substitute(env["VLLM_API_KEY"], {}) == ""
+    assert substitute(env["VLLM_API_KEY"], {"VLLM_API_KEY": "k"}) == "k"
+    assert substitute(env["EO_ALLOW_NO_API_KEY"], {}) == "0"
+    assert substitute(env["EO_ALLOW_NO_API_KEY"], {"EO_ALLOW_NO_API_KEY": "1"}) == "1"
+    assert "VLLM_API_KEY_FILE" not in env  # the default, /run/secrets/vllm_api_key
+    assert not [a for a in svc["command"] if a.startswith("--api-key")]  # ps would show it
+    # shared memory of its own, room for vLLM's rings twice over, not the host's IPC namespace
+    assert "ipc" not in svc
+    _, pp, tp = pf.parse_serve_args(svc["command"])
+    assert size_bytes(svc["shm_size"]) >= 2 * (SHM_BROADCAST + pp * tp * SHM_PER_WORKER)
+    assert svc["init"] is True
+    assert svc["security_opt"] == ["no-new-privileges:true"]
+    # the image's non-root user, no extra rights
+    assert not {"user", "privileged", "cap_add", "pid", "network_mode"} & svc.keys()
+    # time for vLLM's shutdown, in which the workers write their usage counts, twice over
+    assert duration_s(svc["stop_grace_period"]) >= 2 * VLLM_SHUTDOWN_S
+    # no Hugging Face cache (nor its token): the model is a local folder, read offline
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert not {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HOME"} & env.keys()
+    mounts = mounts_of(svc)
+    assert not [t for t, (s, _) in mounts.items() if "huggingface" in s + t or ".cache" in s + t]
+    writable = {t for t, (_, mode) in mounts.items() if mode == "rw"}
+    # what the start writes: the tiny model made at its first start, or a budget-only start's
+    # state; everything else read-only
+    assert writable == ({"/models"} if path.stem == "tiny" else {"/state"})
+
+
+def test_the_secret_override_mounts_the_key_file_where_the_start_reads_it(compose_schema):
+    path = FILES[0].parent / "overrides/api-key-secret.yml"
+    doc = schemas.load_yaml(path)
+    assert schemas.validate(doc, compose_schema) == []
+    # the short syntax: /run/secrets/<name>, the start's default VLLM_API_KEY_FILE
+    assert doc["services"]["vllm"]["secrets"] == ["vllm_api_key"]
+    source = doc["secrets"]["vllm_api_key"]["file"]
+    assert source.startswith("${API_KEY_FILE:?") and source.endswith("}")  # no default path
+    assert "environment" not in doc["services"]["vllm"]
+
+
+class _Uvicorn:
+    """An ASGI app served by uvicorn in a thread, on a free port of 127.0.0.1."""
+
+    def __init__(self, app):
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        for _ in range(200):
+            if self.server.started:
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("uvicorn did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_the_healthcheck_passes_with_a_key_set_and_the_api_needs_it():
+    """vLLM 0.29.0's own key check (the middleware `vllm serve` adds when a key is set)
+    guards the API and leaves /health open: every compose file's healthcheck command passes
+    against it without the key, while /v1 refuses a request without the key."""
+    import urllib.error
+    import urllib.request
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    app = Starlette(
+        routes=[
+            Route("/health", lambda request: Response(status_code=200)),
+            Route("/v1/models", lambda request: JSONResponse({"data": []})),
+        ]
+    )
+    app.add_middleware(AuthenticationMiddleware, tokens=["the-key"])
+    with _Uvicorn(app) as srv:
+        for path in FILES:
+            assert run_healthcheck(service(path)["healthcheck"]["test"], srv.port) == 0, path
+        url = f"http://127.0.0.1:{srv.port}/v1/models"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, timeout=10)
+        assert refused.value.code == 401
+        keyed = urllib.request.Request(url, headers={"Authorization": "Bearer the-key"})
+        with urllib.request.urlopen(keyed, timeout=10) as r:
+            assert r.status == 200

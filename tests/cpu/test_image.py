@@ -428,3 +428,41 @@ def test_entrypoint_help_without_a_platform_for_vllm_says_so(repo_root, tmp_path
     assert r.returncode == 0, r.stdout + r.stderr
     assert "VLLM_EXPERT_COLD_FILE" in r.stdout and "no platform it can serve on" in r.stdout
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_the_image_runs_as_a_fixed_non_root_user(repo_root):
+    """Every build step runs as root, the server as the image's own user: fixed ids (build
+    arguments EO_UID/EO_GID, 2000 by default, which compose/README.md tells operators to give
+    a bind-mounted state folder), a home for vLLM's caches, and /state and /models made its
+    own. tests/cpu/test_image_engine.py checks what it can write in a built image."""
+    ins = dockerfile.parse((repo_root / "Dockerfile").read_text())
+    stage = dockerfile.stage_before(ins, len(ins))
+    users = [i for i, x in enumerate(ins) if x.keyword == "USER"]
+    assert users, "no USER instruction: the server would run as root"
+    last_run = max(i for i, x in enumerate(ins) if x.keyword == "RUN")
+    assert users[-1] > last_run  # the build's steps as root, then the user
+    uid, gid = ins[users[-1]].value.split(":")
+    assert (uid, gid) == ("${EO_UID}", "${EO_GID}")
+    assert stage.args["EO_UID"] == stage.args["EO_GID"] == "2000"
+    make = ins[dockerfile.find_run(ins, "useradd")].value
+    assert 'groupadd --gid "$EO_GID" vllm' in make
+    assert '--uid "$EO_UID" --gid "$EO_GID" --home-dir /home/vllm --create-home' in make
+    assert re.search(r'install -d -o "\$EO_UID" -g "\$EO_GID" -m 07[57]0 /state /models$', make)
+    assert stage.env["HOME"] == "/home/vllm"
+    readme = (repo_root / "compose/README.md").read_text()
+    assert "chown 2000:2000" in readme and "EO_UID" in readme
+
+
+def test_the_base_image_is_pinned_by_digest_when_one_is_given(repo_root):
+    """VLLM_IMAGE_DIGEST (empty by default) makes the base NAME:TAG@DIGEST, which Docker and
+    podman resolve by the digest; unset, vllm.pin's tag. The digest is recorded in a label.
+    tests/cpu/test_image_engine.py builds with one."""
+    ins = dockerfile.parse((repo_root / "Dockerfile").read_text())
+    [start] = [i for i, x in enumerate(ins) if x.keyword == "FROM"]
+    assert ins[start].value == "${VLLM_IMAGE}${VLLM_IMAGE_DIGEST:+@${VLLM_IMAGE_DIGEST}}"
+    before = dict(x.value.split("=", 1) for x in ins[:start] if x.keyword == "ARG")
+    assert before == {"VLLM_IMAGE": PIN.vllm_image, "VLLM_IMAGE_DIGEST": ""}
+    labels = " ".join(x.value for x in ins if x.keyword == "LABEL")
+    assert 'org.opencontainers.image.base.digest="${VLLM_IMAGE_DIGEST}"' in labels
+    stage = dockerfile.stage_before(ins, len(ins))
+    assert "VLLM_IMAGE_DIGEST" in stage.args  # declared again in the stage, for the label

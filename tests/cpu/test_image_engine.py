@@ -25,6 +25,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOPOLOGIES = ("any", "2x32GB", "3x24GB", "2x24GB", "tiny")
 TAG = "vllm-expert-offload-test"
 EXIT_GPUS = 3  # eotools/preflight.py: EXIT_CODES["gpus"]
+# The image's user (Dockerfile, EO_UID/EO_GID), and an API key for the starts below: the start
+# refuses to serve without one (compose/README.md, "The API key").
+IMAGE_USER = "2000:2000"
+API_KEY = "image-test-key"
 
 pytestmark = pytest.mark.image
 
@@ -103,10 +107,12 @@ def config(eng, image: str) -> dict:
     return doc["Config"]
 
 
-def in_container(eng, image: str, *cmd: str, entrypoint: str = "") -> subprocess.CompletedProcess:
+def in_container(
+    eng, image: str, *cmd: str, entrypoint: str = "", options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     name, env = eng
     ep = ["--entrypoint", entrypoint] if entrypoint else []
-    return run([name, "run", "--rm", *ep, image, *cmd], env, timeout=600)
+    return run([name, "run", "--rm", *ep, *options, image, *cmd], env, timeout=600)
 
 
 def test_every_topology_says_what_it_was_built_for(eng, images, standin):
@@ -121,6 +127,7 @@ def test_every_topology_says_what_it_was_built_for(eng, images, standin):
         assert labels["io.vllm-expert-offload.vllm-image"] == standin
         assert f"EO_TOPOLOGY={topology}" in cfg["Env"], cfg["Env"]
         assert cfg["Entrypoint"] == ["/opt/expert-offload/scripts/entrypoint.sh"]
+        assert cfg["User"] == IMAGE_USER  # not root
 
 
 def test_the_standin_has_the_upstream_layout(eng, standin):
@@ -178,11 +185,95 @@ def test_the_image_ships_eotools_and_its_tools_run(eng, images):
 
 @pytest.mark.parametrize("topology", ["2x32GB", "tiny"])
 def test_without_a_gpu_the_preflight_stops_the_container(eng, images, topology):
-    r = in_container(eng, images[topology], "/models/none", "--pipeline-parallel-size", "1")
+    key = ("-e", f"VLLM_API_KEY={API_KEY}")
+    args = ("/models/none", "--pipeline-parallel-size", "1")
+    r = in_container(eng, images[topology], *args, options=key)
     out = r.stdout + r.stderr
     assert r.returncode == EXIT_GPUS, out[-3000:]
     assert "OK   vllm:" in out and "series applied" in out
     assert "FAIL gpus:" in out and "vLLM is not started" in out
+
+
+def test_the_server_user_is_not_root_and_writes_only_its_folders(eng, images):
+    """The image's user (uid 2000) writes the state folder, its home (vLLM's caches), /tmp
+    (the offload metrics' folder) and /models (the tiny service's first start), and not the
+    installed vLLM or the series."""
+    probe = (
+        'id -u; id -g; echo "HOME=$HOME"; '
+        'for d in /state /models /tmp "$HOME/.cache"; do '
+        'mkdir -p "$d" && touch "$d/probe" && echo "writes $d"; done; '
+        "site=$(python3 -c \"import sysconfig; print(sysconfig.get_paths()['purelib'])\"); "
+        'for d in "$site/vllm" /opt/expert-offload /etc; do '
+        'touch "$d/probe" 2>/dev/null && echo "WRITES $d"; done; '
+        'grep -q "^vllm:x:2000:2000:" /etc/passwd && echo user-entry'
+    )
+    r = in_container(eng, images["any"], "-c", probe, entrypoint="bash")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[:3] == ["2000", "2000", "HOME=/home/vllm"], out
+    for d in ("/state", "/models", "/tmp", "/home/vllm/.cache"):
+        assert f"writes {d}" in lines, out
+    assert not [line for line in lines if line.startswith("WRITES")], out
+    assert "user-entry" in lines
+
+
+def test_a_budget_only_start_writes_a_bind_mounted_state_folder(eng, images, tmp_path):
+    """A state folder from the host, owned by the image's user as compose/README.md says:
+    a budget-only start writes its cold file there (as uid 2000), then the preflight stops
+    at the GPU check."""
+    state = tmp_path / "state"
+    state.mkdir()
+    uid, gid = (int(x) for x in IMAGE_USER.split(":"))
+    os.chown(state, uid, gid)
+    script = (
+        "python3 /opt/expert-offload/scripts/prepare-tiny-model /models/tiny "
+        "/models/tiny-cold.json > /dev/null && "
+        'exec /opt/expert-offload/scripts/entrypoint.sh "$@"'
+    )
+    options = (
+        "-v",
+        f"{state}:/state",
+        "-e",
+        f"VLLM_API_KEY={API_KEY}",
+        "-e",
+        "EO_HOST_BUDGET_GIB=0.001",
+        "-e",
+        "EO_STATE_DIR=/state",
+    )
+    r = in_container(
+        eng,
+        images["tiny"],
+        "-c",
+        script,
+        "start",
+        "/models/tiny",
+        entrypoint="bash",
+        options=options,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == EXIT_GPUS, out[-4000:]
+    assert "FAIL gpus:" in out, out[-4000:]
+    [cold] = state.glob("cold-*.json")
+    assert cold.stat().st_uid == uid, (cold, cold.stat())
+
+
+def test_the_base_image_can_be_pinned_by_digest(eng, standin, images):
+    """VLLM_IMAGE_DIGEST builds on the image of that digest (the tag is then only a name),
+    and a digest that names another image fails the build."""
+    name, env = eng
+    r = run([name, "image", "inspect", "--format", "{{.Digest}}", standin], env)
+    digest = r.stdout.strip()
+    assert r.returncode == 0 and digest.startswith("sha256:"), r.stdout + r.stderr
+    build = [str(ROOT / "scripts/image-build"), "--base", standin, "--tag", f"{TAG}-digest"]
+    r = run([*build, "any"], {**env, "VLLM_IMAGE_DIGEST": digest})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert f"{standin}@{digest}" in out
+    labels = config(eng, f"{TAG}-digest:any")["Labels"]
+    assert labels["org.opencontainers.image.base.digest"] == digest
+    r = run([*build, "any"], {**env, "VLLM_IMAGE_DIGEST": "sha256:" + "0" * 64})
+    assert r.returncode == 1, (r.stdout + r.stderr)[-4000:]
 
 
 def test_a_broken_patch_fails_the_build_naming_it(eng, standin, tmp_path):
@@ -214,6 +305,7 @@ def test_a_broken_patch_fails_the_build_naming_it(eng, standin, tmp_path):
 
 COMPOSE_FILES = sorted((ROOT / "compose").glob("*.yml"))
 NO_GPU = ROOT / "compose/overrides/no-gpu.yml"
+API_KEY_SECRET = ROOT / "compose/overrides/api-key-secret.yml"
 
 
 def podman_compose(eng) -> list[str]:
@@ -234,13 +326,22 @@ def test_compose_implementation_reads_the_file(eng, path, tmp_path):
     r = run([*podman_compose(eng), *files, "config"], env, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "services:" in r.stdout
+    # with the key from a file: the secret's file mounted at /run/secrets/vllm_api_key
+    key_file = tmp_path / "api-key"
+    key_file.write_text(API_KEY + "\n")
+    secret = ["-f", str(API_KEY_SECRET)]
+    r = run(
+        [*podman_compose(eng), *files, *secret, "config"], {**env, "API_KEY_FILE": str(key_file)}
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "vllm_api_key" in r.stdout and str(key_file) in r.stdout, r.stdout
 
 
 def test_tiny_compose_comes_up_to_the_preflight_gpu_stop(eng, images, standin):
     """compose/tiny.yml with the no-GPU override: the image it names (built above), the tiny
     model made at the first start, then the preflight stops the service at its GPU check."""
     name, env = eng
-    env = {**env, "VLLM_IMAGE": standin, "PORT": "18731"}
+    env = {**env, "VLLM_IMAGE": standin, "PORT": "18731", "VLLM_API_KEY": API_KEY}
     project = ["-p", "eo-tiny-test", "-f", str(ROOT / "compose/tiny.yml"), "-f", str(NO_GPU)]
     # the compose file names vllm-expert-offload:tiny; the fixture's build is tagged as that
     r = run([name, "tag", images["tiny"], "vllm-expert-offload:tiny"], env)
@@ -256,5 +357,18 @@ def test_tiny_compose_comes_up_to_the_preflight_gpu_stop(eng, images, standin):
         assert "FAIL gpus:" in out and "vLLM is not started" in out, out[-5000:]
         assert "OK   cold-file: tiny-cold.json" in out, out[-5000:]
         assert r.returncode == EXIT_GPUS, out[-5000:]
+        # what the engine was asked for: the port on this host only, shared memory of its own,
+        # an init, no new privileges, the image's user
+        label = "label=io.podman.compose.project=eo-tiny-test"
+        r = run([name, "ps", "-a", "-q", "--filter", label], env)
+        [container] = r.stdout.split()
+        r = run([name, "inspect", container], env)
+        [doc] = json.loads(r.stdout)
+        host = doc["HostConfig"]
+        assert host["PortBindings"]["8000/tcp"] == [{"HostIp": "127.0.0.1", "HostPort": "18731"}]
+        assert host["ShmSize"] == 2 << 30 and host["IpcMode"] != "host"
+        assert host["Init"] is True
+        assert any(s.startswith("no-new-privileges") for s in host["SecurityOpt"]), host
+        assert doc["Config"]["User"] == IMAGE_USER
     finally:
         run([*pc, *project, "down", "-v"], env, timeout=300)

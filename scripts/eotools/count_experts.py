@@ -172,21 +172,40 @@ class HookFiles:
 
 
 class CompletionsClient:
-    """The two calls of the OpenAI API that counting needs, with the standard library."""
+    """The two calls of the OpenAI API that counting needs, with the standard library. A
+    server started with an API key gets it from `api_key`, by default VLLM_API_KEY (the
+    variable the server and the compose files read)."""
 
-    def __init__(self, url: str, model: str | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        url: str,
+        model: str | None = None,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.api_key = os.environ.get("VLLM_API_KEY", "") if api_key is None else api_key
         self.model = model or self.models()[0]
 
     def _call(self, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.url + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            hint = ""
+            if e.code == 401:
+                hint = (
+                    "; the server wants its API key: set VLLM_API_KEY to it"
+                    if not self.api_key
+                    else "; VLLM_API_KEY is not the server's key"
+                )
+            raise CountsError(f"server {self.url}{path}: {e}{hint}") from e
         except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
             raise CountsError(f"server {self.url}{path}: {e}") from e
 
@@ -377,7 +396,11 @@ def parser() -> argparse.ArgumentParser:
         help="--source engine: a vllm.LLM keyword argument (VALUE as JSON, else a string), "
         "e.g. tensor_parallel_size=2; repeat",
     )
-    ap.add_argument("--url", default="http://localhost:8000", help="--source server")
+    ap.add_argument(
+        "--url",
+        default="http://localhost:8000",
+        help="--source server (a server with an API key: set VLLM_API_KEY to it)",
+    )
     ap.add_argument(
         "--counts-file",
         type=pathlib.Path,

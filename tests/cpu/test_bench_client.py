@@ -40,8 +40,10 @@ class FakeServer:
         fail_from: int | None = None,
         lp_offset=lambda i: 0.0,
         gen_shift: int = 0,
+        api_key: str = "",
     ):
         self.schedule, self.token_ids, self.fail_from = schedule, token_ids, fail_from
+        self.api_key = api_key  # set: /v1/ answers 401 without it, as vLLM does
         self.lp_offset, self.gen_shift = lp_offset, gen_shift
         self.bodies: list[dict] = []
         self.inflight = self.max_inflight = 0
@@ -61,7 +63,15 @@ class FakeServer:
 
     def _serve(self) -> None:
         self._loop = asyncio.new_event_loop()
-        app = web.Application()
+
+        @web.middleware
+        async def check_key(request, handler):
+            guarded = self.api_key and request.path.startswith("/v1")
+            if guarded and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request)
+
+        app = web.Application(middlewares=[check_key])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
@@ -384,6 +394,22 @@ def test_bench_suite_json_markdown_plot_and_metric_diffs(tmp_path):
     md = (tmp_path / "suite.md").read_text()
     assert md.count("| offload-03-swap |") == 4 and "TPOT p50 / p90 / p99 ms (n)" in md
     assert (tmp_path / "suite.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_sends_the_api_key_from_vllm_api_key(tmp_path, monkeypatch, capsys):
+    """A server started with an API key answers bench's requests only with the key, which
+    bench takes from VLLM_API_KEY, as the server and the compose files do."""
+    prompts = _prompt_file(tmp_path, n=2)
+    args = ("--config", "offload-02", "--prompts", str(prompts), "--workloads", "fresh")
+    args += ("--concurrency", "1")
+    args += ("--per-domain", "1")
+    with FakeServer(schedule=FAST, api_key="k-42") as srv:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        rc, _ = _bench(srv.url, tmp_path, *args, name="nokey.json")
+        assert rc != 0 and "HTTP Error 401" in capsys.readouterr().err
+        monkeypatch.setenv("VLLM_API_KEY", "k-42")
+        rc, doc = _bench(srv.url, tmp_path, *args)
+    assert rc == 0 and doc["runs"] and all(r["generated_tokens"] > 0 for r in doc["runs"])
 
 
 def test_bench_long_workload_from_synthetic_model(tmp_path):

@@ -327,11 +327,22 @@ class FakeServer:
         self.prompts: list[tuple[str, int]] = []
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self.api_key = ""  # set: 401 without `Authorization: Bearer KEY`, as vLLM answers
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def log_message(self, *a):
                 pass
+
+            def _refused(self) -> bool:
+                if not fake.api_key or self.headers.get("Authorization") == (
+                    f"Bearer {fake.api_key}"
+                ):
+                    return False
+                self.send_response(401)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
 
             def _send(self, doc):
                 body = json.dumps(doc).encode()
@@ -342,10 +353,13 @@ class FakeServer:
                 self.wfile.write(body)
 
             def do_GET(self):
-                self._send({"data": [{"id": "fake-moe"}]})
+                if not self._refused():
+                    self._send({"data": [{"id": "fake-moe"}]})
 
             def do_POST(self):
                 req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self._refused():
+                    return
                 n = len(req["prompt"].split())
                 gen = req["max_tokens"]
                 with fake.lock:
@@ -433,6 +447,27 @@ def test_count_experts_server_saves_per_set_differences(fake_server, tmp_path):
     assert main(args + ["--mode", "prefill"]) == 0  # prefill only: one token each
     assert all(gen == 1 for _, gen in fake_server.prompts[-3:])
     assert load_counts(tmp_path / "out" / "code.json").decode.sum() == 0
+
+
+def test_count_experts_server_sends_the_api_key(fake_server, tmp_path, capsys, monkeypatch):
+    """A server started with an API key (the compose files' default) is counted with the key
+    from VLLM_API_KEY; without it the tool says which variable to set."""
+    from eotools.count_experts import main
+
+    fake_server.api_key = "k-7"
+    (tmp_path / "t.txt").write_text("a b c\n")
+    args = ["--source", "server", "--url", fake_server.url, "--out-dir", str(tmp_path / "o")]
+    args += ["--counts-file", str(fake_server.counts_file), "--timeout", "10"]
+    args += ["--data", f"t={tmp_path / 't.txt'}"]
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert main(args) == 1
+    assert "401" in (err := capsys.readouterr().err) and "set VLLM_API_KEY" in err
+    monkeypatch.setenv("VLLM_API_KEY", "wrong")
+    assert main(args) == 1
+    assert "VLLM_API_KEY is not the server's key" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_API_KEY", "k-7")
+    assert main(args) == 0
+    assert fake_server.prompts and (tmp_path / "o" / "t.json").is_file()
 
 
 def test_count_experts_server_errors(fake_server, tmp_path, capsys):

@@ -49,8 +49,9 @@ def fake_host(repo_root, tmp_path) -> dict[str, str]:
         f'exec python3 {repo_root}/tests/cpu/fake_openai_server.py "$2"\n'
     )
     entry.chmod(0o755)
+    keys = ("VLLM_API_KEY", "EO_ALLOW_NO_API_KEY", "API_KEY_FILE")
     return {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k not in keys},
         "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "EO_VLLM_SITE": str(site),
         "EO_VLLM_PATCHED": str(patched),
@@ -86,6 +87,44 @@ def test_serve_local_runs_the_tiny_service_and_checks_it(repo_root, tmp_path):
     assert (work / "tiny-cold.json").is_file()
     with socket.socket() as s:  # the server was stopped
         assert s.connect_ex(("127.0.0.1", port)) != 0
+    # closed by default: a key made for the run, which the server (the fake checks it as
+    # vLLM does) and image-smoke got, and the model is read offline
+    seen = _env(tmp_path)
+    assert len(seen["VLLM_API_KEY"]) == 32 and seen["EO_ALLOW_NO_API_KEY"] == "0"
+    assert seen["HF_HUB_OFFLINE"] == "1"
+    assert "image-smoke: without the API key: 401" in out and "API key: required" in out
+    assert seen["VLLM_API_KEY"] not in out
+
+
+def _env(tmp_path) -> dict[str, str]:
+    """The environment the fake entrypoint was started with."""
+    text = (tmp_path / "env").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+@pytest.mark.parametrize(
+    "shell, key, said",
+    [
+        ({"VLLM_API_KEY": "mine-123"}, "mine-123", "image-smoke: without the API key: 401"),
+        ({"EO_ALLOW_NO_API_KEY": "1"}, "", "image-smoke: no API key"),
+    ],
+    ids=["shell-key", "open"],
+)
+def test_serve_local_passes_the_shells_key_or_starts_open(repo_root, tmp_path, shell, key, said):
+    env = {**fake_host(repo_root, tmp_path), **shell}
+    r = subprocess.run(
+        [str(repo_root / "scripts/serve-local"), str(tmp_path / "work")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert said in out
+    seen = _env(tmp_path)
+    assert seen["VLLM_API_KEY"] == key
+    assert seen["EO_ALLOW_NO_API_KEY"] == shell.get("EO_ALLOW_NO_API_KEY", "0")
 
 
 def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root, tmp_path):
@@ -123,9 +162,7 @@ def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root
     # the compose file's --max-model-len first, this host's last (argparse keeps the last)
     lens = [args[i + 1] for i, a in enumerate(args) if a == "--max-model-len"]
     assert lens == ["262144", "4096"]
-    seen = dict(
-        line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line
-    )
+    seen = _env(tmp_path)
     assert seen["EO_TOPOLOGY"] == "2x32GB"
     assert seen["VLLM_PLE_TABLE"] == "host"
     assert seen["VLLM_EXPERT_ONE_TABLE"] == "0"  # the file's default is 1

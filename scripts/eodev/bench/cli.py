@@ -11,7 +11,8 @@ entries where a server sends no ids (the JSON says which). TTFT = t1 - t0, TPOT 
 (tN - t1) / (N - 1), decode speed = (N - 1) / (tN - t1), ITL = gaps between consecutive
 tokens, with t_i the arrival time of the chunk carrying token i. Each (workload, streams) pair
 gets one warm-up repeat and --repeats measured repeats; /metrics is scraped before and after
-each measured repeat (counter differences, gauge after-values).
+each measured repeat (counter differences, gauge after-values). A server started with an API
+key gets it from VLLM_API_KEY (`Authorization: Bearer KEY` on every request).
 
 Output: the suite JSON (project format: runs with every repeat and every raw request record),
 a markdown table (.md) and a plot (.png) next to it. --merge combines the suite files of
@@ -299,7 +300,10 @@ async def _suite(args, source: PromptSource, model: str, startup_s: float | None
     runs = []
     origin = time.perf_counter()
     connector = aiohttp.TCPConnector(limit=max(args.concurrency) + 1)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+    session = aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers=client.api_headers()
+    )
+    async with session as http:
         first = next(iter(source.by_domain.values()))[0].payload()
         if args.count_via == "auto":
             count_via = await client.probe_count_mode(http, args.url, model, first)

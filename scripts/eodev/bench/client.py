@@ -9,6 +9,7 @@ or, where a server does not send them, from its `logprobs` entries; never from S
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +18,13 @@ from typing import Any
 import aiohttp
 
 COUNT_MODES = ("token_ids", "logprobs")
+
+
+def api_headers() -> dict[str, str]:
+    """The headers every request carries: the server's API key from VLLM_API_KEY (the
+    variable the server and the compose files read), when set."""
+    key = os.environ.get("VLLM_API_KEY", "")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class RequestFailed(RuntimeError):
@@ -150,14 +158,17 @@ async def probe_count_mode(
 
 
 def get_json(url: str, timeout: float = 30.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    req = urllib.request.Request(url, headers=api_headers())
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read().decode())
 
 
 def post_json(url: str, body: dict, timeout: float = 600.0) -> Any:
     """POST a JSON body, return the JSON answer; RequestFailed on an HTTP error."""
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **api_headers()},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

@@ -426,10 +426,15 @@ class _Uvicorn:
         self.thread.join(10)
 
 
+# routes upstream's key check left open (it guarded /v1, /v2, /inference, /cohere only)
+GUARDED = ("/v1/models", "/invocations", "/pooling", "/score", "/tokenize", "/metrics", "/version")
+
+
 def test_the_healthcheck_passes_with_a_key_set_and_the_api_needs_it():
-    """vLLM 0.29.0's own key check (the middleware `vllm serve` adds when a key is set)
-    guards the API and leaves /health open: every compose file's healthcheck command passes
-    against it without the key, while /v1 refuses a request without the key."""
+    """vLLM's key check (the middleware `vllm serve` adds when a key is set; patch 0021 makes
+    it guard every route but the health probes) leaves /health and /ping open: every compose
+    file's healthcheck command passes against it without the key, while /v1, /invocations
+    (SageMaker's chat and completions), /tokenize and /metrics refuse a request without it."""
     import urllib.error
     import urllib.request
 
@@ -441,17 +446,26 @@ def test_the_healthcheck_passes_with_a_key_set_and_the_api_needs_it():
     app = Starlette(
         routes=[
             Route("/health", lambda request: Response(status_code=200)),
-            Route("/v1/models", lambda request: JSONResponse({"data": []})),
+            Route("/ping", lambda request: Response(status_code=200)),
+            *(
+                Route(path, lambda request: JSONResponse({"data": []}), methods=["GET", "POST"])
+                for path in GUARDED
+            ),
         ]
     )
     app.add_middleware(AuthenticationMiddleware, tokens=["the-key"])
     with _Uvicorn(app) as srv:
         for path in FILES:
             assert run_healthcheck(service(path)["healthcheck"]["test"], srv.port) == 0, path
-        url = f"http://127.0.0.1:{srv.port}/v1/models"
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(url, timeout=10)
-        assert refused.value.code == 401
-        keyed = urllib.request.Request(url, headers={"Authorization": "Bearer the-key"})
-        with urllib.request.urlopen(keyed, timeout=10) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/ping", timeout=10) as r:
             assert r.status == 200
+        for path in GUARDED:
+            url = f"http://127.0.0.1:{srv.port}{path}"
+            for key in (None, "Bearer another-key"):
+                headers = {"Authorization": key} if key else {}
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
+                assert refused.value.code == 401, path
+            keyed = urllib.request.Request(url, headers={"Authorization": "Bearer the-key"})
+            with urllib.request.urlopen(keyed, timeout=10) as r:
+                assert r.status == 200, path

@@ -73,6 +73,32 @@ def eng() -> tuple[str, dict[str, str]]:
     return require_engine()
 
 
+def _image_ids(eng, *filters: str) -> set[str]:
+    name, env = eng
+    r = run([name, "images", "-a", "-q", "--no-trunc", *(f"--filter={f}" for f in filters)], env)
+    return set(r.stdout.split())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def leave_no_images(eng):
+    """Remove what these tests build once they are done: every image tagged by them (the
+    stand-in base stays, the cache of the next run) and the untagged images their builds
+    left, but nothing that was there before."""
+    name, env = eng
+    before = _image_ids(eng)
+    had_tiny = run([name, "image", "inspect", "vllm-expert-offload:tiny"], env).returncode == 0
+    yield
+    tags = [f"{t}:{x}" for t in (TAG, f"{TAG}-digest") for x in TOPOLOGIES]
+    if not had_tiny:
+        tags.append("vllm-expert-offload:tiny")
+    for tag in tags:
+        if run([name, "image", "inspect", tag], env).returncode == 0:
+            run([name, "rmi", "-f", tag], env)
+    left = _image_ids(eng, "dangling=true") - before
+    if left:
+        run([name, "rmi", "-f", *sorted(left)], env)
+
+
 @pytest.fixture(scope="module")
 def standin(eng) -> str:
     """The stand-in base image (built once per vllm.pin and requirements; reused after)."""

@@ -1,27 +1,85 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A cold file against the model it is meant for, without vLLM: its format (cold/README.md),
-the model's shape from config.json, the host experts per pipeline rank and their bytes. The
-same rules the series applies at start-up (fused_moe/expert_offload/cold_file.py and
-planner.py), so the preflight can refuse a file before minutes of loading."""
+"""A cold file against the model it is meant for, without vLLM: the host experts per pipeline
+rank and their bytes, from the model's config.json and checkpoint. The cold-file format, its
+rules and the layer-list syntax live in cold_contract.py, which the series carries as
+vLLM's own copy: the tools use that copy where the installed vLLM has it (so the preflight
+refuses exactly what vLLM would), else the one next to this module."""
 
 from __future__ import annotations
 
 import contextlib
-import json
+import importlib.util
 import pathlib
+import sys
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-from .coldset import FORMAT as COLD_FORMAT
-from .coldset import VERSION as COLD_VERSION
-from .selection import GiB, SelectionError, expert_bytes, stage_layers
+from . import cold_contract as own_contract
+from .selection import SelectionError, expert_bytes, stage_layers
 
+# where the series puts its copy of the contract, inside the vllm package
+SERIES_CONTRACT = "model_executor/layers/fused_moe/expert_offload/cold_contract.py"
+# what the tools call; a copy without them (an older series) is not used
+CONTRACT_API = (
+    "ContractError",
+    "ColdSet",
+    "ModelShape",
+    "read_cold_file",
+    "check_fits_model",
+    "other_model_name",
+    "parse_layer_list",
+    "host_layers_beyond",
+    "over_budget",
+    "human_bytes",
+    "read_json",
+)
+
+
+def installed_contract_path() -> pathlib.Path | None:
+    """The installed vLLM's copy of cold_contract.py, found without importing vLLM."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        path = pathlib.Path(base, SERIES_CONTRACT)
+        if path.is_file():
+            return path
+    return None
+
+
+def load_contract() -> tuple[ModuleType, str]:
+    """The contract the installed series applies, else ours; and where it came from."""
+    path = installed_contract_path()
+    if path is not None:
+        spec = importlib.util.spec_from_file_location("eotools._series_cold_contract", path)
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            # registered while it runs: dataclasses look their module up by name
+            sys.modules[spec.name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception:  # a broken copy: the vllm check reports the series
+                del sys.modules[spec.name]
+                module = None
+            if module is not None and all(hasattr(module, name) for name in CONTRACT_API):
+                return module, str(path)
+    return own_contract, own_contract.__file__
+
+
+contract, CONTRACT_SOURCE = load_contract()
+ContractError = contract.ContractError
 # the fix for a cold file that is wrong in itself (the series' loader says the same)
-REMAKE = "fix the file or make a new one with scripts/select-cold-set select"
+REMAKE = contract.REMAKE
+# how the tools' messages call the model (vLLM's: its path)
+THE_MODEL = "the model"
 
 # architectures whose MTP layers the model code adds after the last decoder layer even when
 # config.json does not say how many (vLLM 0.29.0: getattr(config, "mtp_num_hidden_layers", 1))
 MTP_BY_DEFAULT = ("Qwen3NextForCausalLM", "Qwen4ExpForCausalLM")
+# config.json of a checkpoint: a few KB; larger is not a config
+MAX_CONFIG_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -51,18 +109,24 @@ def read_model_config(model: str | None) -> ModelConfig | None:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         return None
-    cfg = json.loads(cfg_file.read_text())
-    text = cfg.get("text_config", cfg)
+    fix = f"check the model folder {path}: its config.json is not one vLLM can load"
+    try:
+        cfg = contract.read_json(cfg_file, MAX_CONFIG_BYTES)
+    except contract.ContractError as e:
+        raise ColdFileError(f"{cfg_file}: {e.problem}", fix) from None
+    text = cfg.get("text_config", cfg) if isinstance(cfg, dict) else None
+    layers = text.get("num_hidden_layers") if isinstance(text, dict) else None
+    if not (isinstance(layers, int) and not isinstance(layers, bool) and layers > 0):
+        raise ColdFileError(f"{cfg_file}: no whole number 'num_hidden_layers'", fix)
     experts = text.get("num_experts") or text.get("n_routed_experts")
     experts = experts or text.get("num_local_experts")
-    architecture = (cfg.get("architectures") or [None])[0]
-    return ModelConfig(
-        path,
-        architecture,
-        int(text["num_hidden_layers"]),
-        int(experts) if experts else None,
-        mtp_layer_count(architecture, text),
-    )
+    if not (isinstance(experts, int) and not isinstance(experts, bool) and experts > 0):
+        experts = None
+    names = cfg.get("architectures")
+    architecture = names[0] if isinstance(names, list) and names else None
+    if not isinstance(architecture, str):
+        architecture = None
+    return ModelConfig(path, architecture, layers, experts, mtp_layer_count(architecture, text))
 
 
 class ColdFileError(ValueError):
@@ -74,146 +138,24 @@ class ColdFileError(ValueError):
         self.fix = fix
 
 
-def human_bytes(n: float) -> str:
-    """Bytes in the unit that shows them (a budget of 2 MiB is not "0.00 GiB")."""
-    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size / 10:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} bytes"
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def _layer_number(key: Any) -> int | None:
-    """A layer key as vLLM writes it ("0", "17"); None for anything else ("²" and "٣" are
-    digits to str.isdigit() but not layer numbers, "07" would alias "7")."""
-    if isinstance(key, str) and key.isascii() and key.isdigit() and str(int(key)) == key:
-        return int(key)
-    return None
-
-
-def check_budget(budget: Any) -> None:
-    """The optional 'budget' object: numbers where numbers belong, one budget per stage."""
-    if budget is None:
-        return
-    if not isinstance(budget, dict):
-        raise ColdFileError(
-            f"'budget' must be an object like {{\"pipeline_parallel_size\": 2, "
-            f'"gib_per_stage": [3.0, 3.0]}}, not {budget!r}'
-        )
-    pp = budget.get("pipeline_parallel_size")
-    if pp is not None and not (_is_int(pp) and pp >= 1):
-        raise ColdFileError(
-            f"budget: 'pipeline_parallel_size' must be a whole number >= 1, not {pp!r}"
-        )
-    per_stage = budget.get("gib_per_stage")
-    if per_stage is not None:
-        if not isinstance(per_stage, list) or not all(_is_number(g) and g >= 0 for g in per_stage):
-            raise ColdFileError(
-                "budget: 'gib_per_stage' must be a list of GiB per pipeline stage as numbers "
-                f"(e.g. [3.0, 3.0]), not {per_stage!r}"
-            )
-        if pp is not None and len(per_stage) != pp:
-            raise ColdFileError(
-                f"budget: 'gib_per_stage' has {len(per_stage)} values for "
-                f"pipeline_parallel_size {pp}; give one per stage"
-            )
-    size = budget.get("bytes_per_expert")
-    if size is not None and not (_is_int(size) and size > 0):
-        raise ColdFileError(
-            f"budget: 'bytes_per_expert' must be a whole number of bytes, not {size!r}"
-        )
-
-
-def check_layers(raw: Any, num_experts: int) -> dict[int, list[int]]:
-    """'layers': layer number -> host expert ids, each id once and inside the layer."""
-    if not isinstance(raw, dict):
-        raise ColdFileError("'layers' must map layer numbers to lists of expert ids")
-    parsed: dict[int, list[int]] = {}
-    for key, ids in raw.items():
-        layer = _layer_number(key)
-        if layer is None:
-            raise ColdFileError(
-                f"layer key {key!r} is not a layer number (write absolute layer numbers in "
-                'ASCII digits: "0", "17")'
-            )
-        if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
-            raise ColdFileError(f"layer {key}: expert ids must be a list of integers")
-        seen: set[int] = set()
-        dupes = sorted({i for i in ids if i in seen or seen.add(i)})
-        if dupes:
-            raise ColdFileError(f"layer {key} lists expert(s) {dupes[:8]} more than once")
-        bad = sorted(i for i in ids if not 0 <= i < num_experts)
-        if bad:
-            raise ColdFileError(
-                f"layer {key}: expert id(s) {bad[:8]} are outside 0-{num_experts - 1}"
-            )
-        if ids:
-            parsed[layer] = sorted(ids)
-    if not parsed:
-        raise ColdFileError(
-            "it lists no host expert ('layers' is empty), so it would offload nothing",
-            "make one with scripts/select-cold-set select, or unset VLLM_EXPERT_COLD_FILE "
-            "to serve without offload",
-        )
-    return parsed
+human_bytes = contract.human_bytes
 
 
 def load_cold_file(path: pathlib.Path) -> dict[str, Any]:
-    """Read a cold file and check it on its own, as the series does at start-up
-    (fused_moe/expert_offload/cold_file.py: the same rules and messages)."""
-    if path.is_dir():
-        raise ColdFileError(
-            "is a directory, not a cold file",
-            "give the path of the cold file (a .json file) itself, not its folder",
-        )
-    if not path.exists():
-        raise ColdFileError("no such file", "give the path of a cold file (cold/README.md)")
+    """Read a cold file and check it on its own, under the contract vLLM applies at start-up;
+    its 'layers' as layer number -> sorted host expert ids."""
     try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ColdFileError(f"not readable ({e})") from e
-    if not text.strip():
-        raise ColdFileError("not readable as JSON (the file is empty)")
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ColdFileError(f"not readable as JSON ({e})") from e
-    if not isinstance(doc, dict) or doc.get("format") != COLD_FORMAT:
-        raise ColdFileError(f"not a cold file (its 'format' is not {COLD_FORMAT!r})")
-    if doc.get("version") != COLD_VERSION:
-        raise ColdFileError(f"format version {doc.get('version')!r}; expected {COLD_VERSION}")
-    model = doc.get("model")
-    if not isinstance(model, dict) or not (
-        _is_int(model.get("num_experts")) and model["num_experts"] > 0
-    ):
-        raise ColdFileError(
-            "'model' must say at least which model and how many experts per layer "
-            "('num_experts') it was made for"
-        )
-    layers_of_model = model.get("num_layers")
-    if layers_of_model is not None and not (_is_int(layers_of_model) and layers_of_model > 0):
-        raise ColdFileError(f"model: 'num_layers' must be a whole number, not {layers_of_model!r}")
-    check_budget(doc.get("budget"))
-    doc["layers"] = check_layers(doc.get("layers"), model["num_experts"])
-    return doc
+        cold = contract.read_cold_file(path)
+    except contract.ContractError as e:
+        raise ColdFileError(e.problem, e.fix or REMAKE) from None
+    layers = {layer: list(ids) for layer, ids in cold.layers.items()}
+    return {**cold.doc, "model": cold.model, "budget": cold.budget, "layers": layers}
 
 
-def parse_layer_list(text: str) -> set[int]:
-    """VLLM_EXPERT_HOST_LAYERS syntax: numbers and ranges, comma separated ("0-5,40")."""
-    out: set[int] = set()
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
-            raise ValueError(f"cannot read {part!r} in the layer list {text!r}")
-        out.update(range(int(lo), int(hi if dash else lo) + 1))
-    return out
+def parse_layer_list(text: str) -> frozenset[int]:
+    """VLLM_EXPERT_HOST_LAYERS under the contract's syntax ("0-5,40"); ContractError, a
+    ValueError, names the problem and the fix."""
+    return contract.parse_layer_list(text)
 
 
 @dataclass(frozen=True)
@@ -245,7 +187,7 @@ def plan_host_experts(
     num_experts = (model.num_experts if model else None) or (cold or {}).get("model", {}).get(
         "num_experts"
     )
-    host = parse_layer_list(host_layers)
+    host = contract.parse_layer_list(host_layers)
     parts = [int(x) for x in partition.split(",") if x.strip()] or None
     if num_layers:
         ranks = stage_layers(num_layers, pp, parts)
@@ -267,73 +209,50 @@ def plan_host_experts(
     return HostPlan(per_rank, size, source)
 
 
-def mtp_layer_problem(layer: int, num_layers: int) -> str:
-    """Why a cold file may not name an MTP layer (the series' loader says the same)."""
-    return (
-        f"layer {layer} is the model's MTP layer (mtp.layers.{layer}.mlp.experts), whose "
-        f"experts always stay on the GPU: a cold file covers layers 0-{num_layers - 1}; "
-        f"remove layer {layer} from 'layers'"
+def _cold_set(cold: dict[str, Any]) -> Any:
+    """A dict of load_cold_file as the contract's ColdSet."""
+    layers = {layer: tuple(ids) for layer, ids in cold["layers"].items()}
+    return contract.ColdSet(cold["model"], cold.get("budget"), layers, cold)
+
+
+def _shape(model: ModelConfig) -> Any:
+    return contract.ModelShape(
+        THE_MODEL, model.num_layers, model.num_experts, model.architecture, model.mtp_layers
     )
 
 
-def model_mismatches(cold: dict[str, Any], model: ModelConfig, host_layers: set[int]) -> list[str]:
-    """Why vLLM would refuse this cold file for this model (empty: it fits)."""
-    made_for = cold["model"]
-    problems = []
-    if made_for.get("architecture") and model.architecture not in (
-        None,
-        made_for["architecture"],
-    ):
-        problems.append(
-            f"it was made for a {made_for['architecture']}, the model is a {model.architecture}"
-        )
-    if made_for.get("num_layers") not in (None, model.num_layers):
-        problems.append(
-            f"it was made for {made_for['num_layers']} layers, the model has {model.num_layers}"
-        )
-    if model.num_experts is not None and made_for["num_experts"] != model.num_experts:
-        problems.append(
-            f"it was made for {made_for['num_experts']} experts per layer, the model has "
-            f"{model.num_experts}"
-        )
-    n = model.num_layers
-    mtp = sorted(x for x in cold["layers"] if n <= x < n + model.mtp_layers)
-    problems += [mtp_layer_problem(x, n) for x in mtp]
-    beyond = sorted(x for x in cold["layers"] if x >= n and x not in mtp)
-    if beyond:
-        problems.append(f"it lists layer(s) {beyond[:8]}, the model has {n} (0-{n - 1})")
-    both = sorted(set(cold["layers"]) & host_layers)
-    if both:
-        problems.append(f"layer(s) {both[:8]} are also in VLLM_EXPERT_HOST_LAYERS")
-    return problems
+def check_fits_model(cold: dict[str, Any], model: ModelConfig, host_layers: frozenset[int]) -> None:
+    """Refuse, as vLLM would, a cold file that does not fit the model: every mismatch in one
+    ColdFileError."""
+    try:
+        contract.check_fits_model(_cold_set(cold), _shape(model), host_layers)
+    except contract.ContractError as e:
+        raise ColdFileError(e.problem, e.fix) from None
+
+
+def check_host_layers(host_layers: frozenset[int], model: ModelConfig) -> None:
+    """Refuse VLLM_EXPERT_HOST_LAYERS naming layers the model does not have."""
+    problem = contract.host_layers_beyond(host_layers, _shape(model))
+    if problem is not None:
+        raise ColdFileError(problem.problem, problem.fix)
 
 
 def name_mismatch(cold: dict[str, Any], model: ModelConfig) -> str:
     """The model name the file was made for, where it is not the checkpoint's folder name
     (empty: same name, or none recorded). vLLM uses such a file when its shape fits, and
     warns: paths differ between machines, but so do checkpoints of one architecture."""
-    name = cold["model"].get("name")
-    if not isinstance(name, str) or not name.strip():
-        return ""
-    made_for = pathlib.PurePath(name.rstrip("/")).name
-    if made_for == model.path.resolve().name:
-        return ""
-    return f"it was made for model {name!r}, but the model is {model.path.resolve().name!r}"
+    return contract.other_model_name(_cold_set(cold), model.path.resolve().name)
 
 
-def over_budget(cold: dict[str, Any], plan: HostPlan, pp: int) -> str:
-    """The series refuses a file whose experts exceed 1.1x the budget it states for a rank
-    (made for another model, quantisation or split); say so before loading."""
-    budget = cold.get("budget") or {}
-    per_stage = budget.get("gib_per_stage")
-    if not per_stage or budget.get("pipeline_parallel_size") != pp or not plan.bytes_per_expert:
-        return ""
-    for rank, (n, gib) in enumerate(zip(plan.experts_per_rank, per_stage, strict=False)):
-        have = n * plan.bytes_per_expert
-        if have > float(gib) * GiB * 1.10:
-            return (
-                f"its experts take {human_bytes(have)} on pipeline rank {rank}, but it was "
-                f"made for {human_bytes(float(gib) * GiB)} per stage "
-                f"({plan.bytes_per_expert} bytes per expert, from {plan.source})"
-            )
-    return ""
+def over_budget(cold: dict[str, Any], plan: HostPlan, pp: int) -> ColdFileError | None:
+    """The refusal vLLM gives a file whose experts on a rank exceed the budget it states
+    (made for another model, quantisation or split); None where they fit."""
+    if not plan.bytes_per_expert:
+        return None
+    for rank, n in enumerate(plan.experts_per_rank):
+        over = contract.over_budget(
+            _cold_set(cold), pp, rank, n, plan.bytes_per_expert, plan.source
+        )
+        if over is not None:
+            return ColdFileError(over.problem, over.fix)
+    return None

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Cold files: which experts of each layer live in host memory (format: cold/README.md and the
-docstring of vLLM's fused_moe/expert_offload/cold_file.py, which validates them at start-up)."""
+"""Cold files: which experts of each layer live in host memory (format: cold/README.md and
+cold_contract.py, whose rules vLLM's loader applies at start-up)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .cold_contract import FORMAT, VERSION
 from .state_dir import write_atomic
-
-FORMAT = "vllm-expert-offload/cold-set"
-VERSION = 1
 
 
 def model_identity(model_dir: pathlib.Path) -> dict[str, Any]:

@@ -35,9 +35,11 @@ from typing import Any
 from . import cuda_probe, serve_args, settings
 from .coldcheck import (
     ColdFileError,
+    ContractError,
+    check_fits_model,
+    check_host_layers,
     human_bytes,
     load_cold_file,
-    model_mismatches,
     name_mismatch,
     over_budget,
     parse_layer_list,
@@ -221,23 +223,14 @@ def check_vllm(setup: Setup) -> list[Result]:
 
 def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
     """Results, and the parsed cold file for the host-memory check."""
-    model = read_model_config(setup.model)
     try:
+        model = read_model_config(setup.model)
         host_layers = parse_layer_list(setup.host_layers)
-    except ValueError as e:
-        return [
-            Result("cold-file", "fail", f"VLLM_EXPERT_HOST_LAYERS: {e}", "write e.g. 0-5,40")
-        ], None
-    if model is not None and host_layers and max(host_layers) >= model.num_layers:
-        return [
-            Result(
-                "cold-file",
-                "fail",
-                f"VLLM_EXPERT_HOST_LAYERS names layer {max(host_layers)}, but the model has "
-                f"{model.num_layers} layers (0-{model.num_layers - 1})",
-                "remove the layers the model does not have from VLLM_EXPERT_HOST_LAYERS",
-            )
-        ], None
+        if model is not None:
+            check_host_layers(host_layers, model)
+    except (ColdFileError, ContractError) as e:
+        problem, fix = (str(e), e.fix) if isinstance(e, ColdFileError) else (e.problem, e.fix)
+        return [Result("cold-file", "fail", problem, fix)], None
     if not setup.cold_file:
         what = "no cold file (VLLM_EXPERT_COLD_FILE unset)"
         return [Result("cold-file", "skip", what)], None
@@ -262,10 +255,11 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
                 "vLLM at start-up",
             )
         ], cold
-    fix = "the file was made for another model or split; " + make_cold_set(setup.model, setup.pp)
-    problems = model_mismatches(cold, model, host_layers)
-    if problems:
-        return [Result("cold-file", "fail", f"{where}: " + "; ".join(problems), fix)], cold
+    remake = make_cold_set(setup.model, setup.pp)
+    try:
+        check_fits_model(cold, model, host_layers)
+    except ColdFileError as e:
+        return [Result("cold-file", "fail", f"{where}: {e}", f"{e.fix}; {remake}")], cold
     # the budget a cold file states is for its own experts, not VLLM_EXPERT_HOST_LAYERS'
     # whole layers (the series' budget check counts the same)
     try:
@@ -273,8 +267,8 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
     except SelectionError as e:
         return [Result("cold-file", "fail", str(e), "fix --pipeline-parallel-size")], cold
     over = over_budget(cold, own, setup.pp)
-    if over:
-        return [Result("cold-file", "fail", f"{where}: {over}", fix)], cold
+    if over is not None:
+        return [Result("cold-file", "fail", f"{where}: {over}", f"{over.fix}; {remake}")], cold
     n = sum(len(v) for v in cold["layers"].values())
     fits = (
         f"{path.name}: {n} host experts in {len(cold['layers'])} layers, fits "
@@ -330,8 +324,8 @@ def expert_host_need(setup: Setup, cold: dict[str, Any] | None) -> tuple[int, st
     """Bytes of the host experts and what to print, or the result that ends the check."""
     if setup.cold_file and cold is None:
         return Result("host-memory", "skip", "no usable cold file (see cold-file)")
-    model = read_model_config(setup.model)
     try:
+        model = read_model_config(setup.model)
         plan = plan_host_experts(cold, model, setup.pp, setup.host_layers, setup.pp_partition)
     except (ValueError, SelectionError) as e:
         return Result("host-memory", "fail", str(e), "fix the layer list or the PP size")

@@ -162,8 +162,8 @@ def layer_list(variable: str) -> Kind:
     def parse(text: str) -> frozenset[int]:
         try:
             return parse_layer_list(text, variable, MAX_LAYER)
-        except ContractError as e:  # "VARIABLE='spec': problem": the problem
-            raise Invalid(str(e).split(": ", 1)[-1]) from None
+        except ContractError as e:  # problem: "VARIABLE='spec': what", and its fix
+            raise Invalid(e.problem.split(": ", 1)[-1], e.fix) from None
 
     return Kind("layer list", f"layers 0-{MAX_LAYER} and ranges, e.g. 0-5,40", parse)
 
@@ -231,7 +231,8 @@ SETTINGS: tuple[Setting, ...] = (
         layer_list("VLLM_EXPERT_HOST_LAYERS"),
         "",
         "MoE layers whose routed experts all live in host memory: absolute layer numbers and "
-        "ranges, e.g. 0-5,40",
+        "ranges in ASCII digits, separated by commas, e.g. 0-5,40 (spaces around numbers, "
+        "dashes and commas are allowed; a range runs upwards)",
         "vLLM",
         "list layer numbers and ranges of the model's layers, such as 0-5,40",
     ),

@@ -181,7 +181,7 @@ def test_preflight_refuses_a_cold_file_naming_the_mtp_layer(tmp_path):
     [r] = only(pf.run_checks(s, ["vllm"]), "cold-file")
     assert r.status == "fail"
     assert "layer 4 is the model's MTP layer (mtp.layers.4.mlp.experts)" in r.message
-    assert "remove layer 4 from 'layers'" in r.message
+    assert "remove layer(s) 4 from 'layers'" in r.fix
 
 
 def test_preflight_refuses_a_qwen3_moe_cold_file_for_a_qwen4exp_model(tmp_path):
@@ -192,9 +192,9 @@ def test_preflight_refuses_a_qwen3_moe_cold_file_for_a_qwen4exp_model(tmp_path):
     [r] = only(results, "cold-file")
     assert r.status == "fail"
     for words in (
-        "made for a Qwen3MoeForCausalLM, the model is a Qwen4ExpForCausalLM",
-        "made for 8 layers, the model has 4",
-        "made for 512 experts per layer, the model has 64",
+        "made for a Qwen3MoeForCausalLM model, but the model is a Qwen4ExpForCausalLM",
+        "made for 8 layers, but the model has 4",
+        "made for 512 experts per layer, but the model has 64",
     ):
         assert words in r.message
     assert "select-cold-set select" in r.fix
@@ -230,7 +230,10 @@ def test_a_small_budget_is_shown_in_units_that_show_it(tmp_path):
     s = setup_for(tmp_path, model=str(model), cold_file=str(cold))
     [r] = only(pf.run_checks(s, ["vllm"]), "cold-file")
     assert r.status == "fail"
-    assert "4.00 MiB on pipeline rank 0" in r.message and "made for 1.00 MiB per stage" in r.message
+    assert (
+        "4.00 MiB on pipeline rank 0" in r.message
+        and "made for a budget of 1.00 MiB per stage" in r.message
+    )
     assert (human_bytes(3 << 30), human_bytes(0.5 * (1 << 30)), human_bytes(512)) == (
         "3.00 GiB",
         "0.50 GiB",

@@ -203,7 +203,7 @@ def test_a_low_locked_memory_limit_is_a_warning(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "layers, expected",
-    [("0-3,x", "cannot read 'x'"), ("2,8", "names layer 8, but the model has 8 layers")],
+    [("0-3,x", "cannot read 'x'"), ("2,8", "names layer(s) 8, but the model has 8 layers")],
 )
 def test_bad_host_layers(tmp_path, layers, expected):
     s = setup_for(tmp_path, model=str(make_model(tmp_path)), host_layers=layers)
@@ -264,7 +264,7 @@ def test_a_cold_file_for_another_model_gives_a_recipe_for_a_real_model(tmp_path)
 BAD_COLD = {
     "another layer count": (
         dict(model={"architecture": "Qwen3MoeForCausalLM", "num_layers": 48, "num_experts": 512}),
-        "made for 48 layers, the model has 8",
+        "made for 48 layers, but the model has 8",
     ),
     "another architecture": (
         dict(model={"architecture": "Qwen4ExpForCausalLM", "num_layers": 8, "num_experts": 512}),
@@ -272,9 +272,12 @@ BAD_COLD = {
     ),
     "another expert count": (
         dict(model={"num_experts": 256}),
-        "made for 256 experts per layer, the model has 512",
+        "made for 256 experts per layer, but the model has 512",
     ),
-    "a layer the model lacks": (dict(layers={9: [1]}), "lists layer(s) [9]"),
+    "a layer the model lacks": (
+        dict(layers={9: [1]}),
+        "lists layer(s) 9, but the model has 8 layers (0-7)",
+    ),
     "an expert id out of range": (dict(layers={0: [1, 512]}), "outside 0-511"),
     "a duplicate id": (dict(layers={0: [3, 3]}), "more than once"),
     "over its budget": (

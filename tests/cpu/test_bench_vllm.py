@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """scripts/bench-vllm without a GPU: the `vllm serve` and `vllm bench serve` command lines
 (checked against vLLM 0.29.0's own parsers), the servers' environments, vLLM's real client
-against a server stand-in, reading a saved vLLM result, ratios, the comparison with bench-offload's figures, the suite JSON against
+against a server stand-in, reading a saved vLLM result, ratios, the comparison with
+bench-offload's figures, the suite JSON against
 bench/results/suite.schema.json, and whole runs against fake_vllm_cli.py put in fake site
 folders: a server that never answers /health, one that dies, a client that fails, one that
 dies at start-up once, lost requests.

@@ -54,7 +54,7 @@ from typing import Any
 
 from . import bench_vllm_report as rep
 from .nvsmi import gpu_name
-from .soak import Server, ServerFailed, extra_value, host_experts
+from .soak import Server, ServerFailed, extra_value, host_experts, split_serve_args
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1]
@@ -128,16 +128,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """Our options, and the `vllm serve` arguments after `--` (exit 2 on a usage error)."""
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1 :]
-    ap = parser()
-    args = ap.parse_args(argv)
-    problem = usage_problem(args, extra)
-    if problem:
-        ap.error(problem)
-    return args, extra
+    return split_serve_args(parser(), argv, usage_problem)
 
 
 def usage_problem(args: argparse.Namespace, extra: list[str]) -> str | None:

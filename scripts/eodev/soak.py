@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from . import soak_report as rep
@@ -95,18 +96,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Our options, and the `vllm serve` arguments after `--` (exit 2 on a usage error)."""
+def split_serve_args(
+    ap: argparse.ArgumentParser,
+    argv: list[str],
+    usage_problem: Callable[[argparse.Namespace, list[str]], str | None],
+) -> tuple[argparse.Namespace, list[str]]:
+    """A tool's options, and the `vllm serve` arguments after `--` (exit 2 on a usage error,
+    including the one `usage_problem` names)."""
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1 :]
-    ap = parser()
     args = ap.parse_args(argv)
     problem = usage_problem(args, extra)
     if problem:
         ap.error(problem)
     return args, extra
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our options, and the `vllm serve` arguments after `--` (exit 2 on a usage error)."""
+    return split_serve_args(parser(), argv, usage_problem)
 
 
 def usage_problem(args: argparse.Namespace, extra: list[str]) -> str | None:

@@ -526,6 +526,21 @@ def over_budget(
     )
 
 
+def other_pipeline_size(cold: ColdSet, pp_size: int) -> str | None:
+    """The warning for a file whose budget was made for another pipeline size: it is served
+    as its layers say, but its per-stage budgets cannot be checked (stages differ); None
+    where the sizes agree or the file states no per-stage budget."""
+    budget = cold.budget or {}
+    made = budget.get("pipeline_parallel_size")
+    if not budget.get("gib_per_stage") or made is None or made == pp_size:
+        return None
+    return (
+        f"it was made for pipeline parallel size {made} and is served with {pp_size}: its "
+        "experts are placed as it lists them, but its budget per stage is not checked; make "
+        "one for this split with scripts/select-cold-set to have it checked"
+    )
+
+
 # --- layer lists ---------------------------------------------------------------------------
 
 # "0-5,40": layer numbers and ranges in ASCII digits, separated by commas; spaces and tabs

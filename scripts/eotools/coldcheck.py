@@ -31,6 +31,7 @@ CONTRACT_API = (
     "parse_layer_list",
     "host_layers_beyond",
     "over_budget",
+    "other_pipeline_size",
     "human_bytes",
     "read_json",
 )
@@ -235,6 +236,12 @@ def check_host_layers(host_layers: frozenset[int], model: ModelConfig) -> None:
     problem = contract.host_layers_beyond(host_layers, _shape(model))
     if problem is not None:
         raise ColdFileError(problem.problem, problem.fix)
+
+
+def pipeline_size_mismatch(cold: dict[str, Any], pp: int) -> str | None:
+    """vLLM's warning for a file made for another pipeline size (served as listed, its
+    per-stage budget unchecked); None where the sizes agree."""
+    return contract.other_pipeline_size(_cold_set(cold), pp)
 
 
 def name_mismatch(cold: dict[str, Any], model: ModelConfig) -> str:

@@ -43,6 +43,7 @@ from .coldcheck import (
     name_mismatch,
     over_budget,
     parse_layer_list,
+    pipeline_size_mismatch,
     plan_host_experts,
     read_model_config,
 )
@@ -274,6 +275,17 @@ def check_cold_file(setup: Setup) -> tuple[list[Result], dict[str, Any] | None]:
         f"{path.name}: {n} host experts in {len(cold['layers'])} layers, fits "
         f"{model.path.name} ({model.num_layers} layers x {model.num_experts} experts)"
     )
+    other_pp = pipeline_size_mismatch(cold, setup.pp)
+    if other_pp:
+        # accepted, as vLLM accepts it, with one line (its budget cannot be mapped to ranks)
+        return [
+            Result(
+                "cold-file",
+                "warn",
+                f"{where}: {other_pp} ({fits})",
+                make_cold_set(setup.model, setup.pp),
+            )
+        ], cold
     other_name = name_mismatch(cold, model)
     if other_name:
         # vLLM warns and uses it (cold/README.md): folders get renamed between machines

@@ -400,3 +400,37 @@ def test_the_tools_fall_back_to_their_own_copy(tmp_path, monkeypatch):
         assert module is cold_contract and source == cold_contract.__file__
     monkeypatch.setattr(coldcheck, "installed_contract_path", lambda: None)
     assert coldcheck.load_contract()[0] is cold_contract
+
+
+def test_a_file_made_for_another_pipeline_size_is_used_with_one_warning(tmp_path):
+    """Where the project accepts something odd, it says so: a file whose budget was made for
+    pipeline parallel 2, served with 1, is used as it lists its layers (its stage budgets do
+    not map onto this split), and both the preflight and vLLM's loader say so in one line."""
+    import logging
+
+    model = make_model(tmp_path, layers=LAYERS, experts=E)
+    # a budget far below its experts: at PP=1 it would be refused (the case above)
+    doc = cold_doc(
+        {"0": [1, 2, 3]}, budget={"pipeline_parallel_size": 2, "gib_per_stage": [0.004, 0.004]}
+    )
+    case = Case(doc, None)
+    (tmp_path / "tools").mkdir()
+    cold = make_cold_file(tmp_path / "tools", case.cold)
+    s = setup_for(tmp_path / "tools", model=str(model), cold_file=str(cold))
+    [r] = pf.check_cold_file(s)[0]
+    assert r.status == "warn", r
+    assert "made for pipeline parallel size 2 and is served with 1" in r.message
+    assert "budget per stage is not checked" in r.message and "select-cold-set" in r.fix
+    (tmp_path / "vllm").mkdir()
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: lines.append(rec.getMessage())
+    # vLLM's loggers do not propagate to the root logger: listen on the planner's own
+    log = logging.getLogger("vllm.model_executor.layers.fused_moe.expert_offload.planner")
+    log.addHandler(handler)
+    try:
+        assert through_vllm(tmp_path / "vllm", model, case) is None
+    finally:
+        log.removeHandler(handler)
+    said = [m for m in lines if "pipeline parallel size 2" in m]
+    assert len(said) == 1 and "VLLM_EXPERT_COLD_FILE=" in said[0], lines

@@ -685,4 +685,4 @@ def test_a_cold_files_budget_is_for_its_own_experts(tmp_path):
     over = make_cold(tmp_path, {1: list(range(200))}, budget=budget, name="over.json")
     s = setup_for(tmp_path, model=str(model), pp=2, cold_file=str(over))
     [r] = only(pf.run_checks(s, skip=["vllm"]), "cold-file")
-    assert r.status == "fail" and "made for 0.25 GiB per stage" in r.message
+    assert r.status == "fail" and "made for a budget of 0.25 GiB per stage" in r.message

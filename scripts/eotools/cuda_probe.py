@@ -281,3 +281,83 @@ def _error_name(drv: Any, err: Any) -> str:
         return text.decode() if isinstance(text, bytes) else str(text)
     except Exception:
         return f"CUresult {_code(err)}"
+
+
+# --- in a child process -----------------------------------------------------------------------
+# The image's start program runs the preflight in its own process and then execs `vllm serve`
+# there. CUDA state made in that process (torch's contexts on every visible GPU, the driver's
+# device files) must not be inherited by vLLM, so the start asks the GPUs from a child that
+# exits before vLLM starts.
+
+CHILD_TIMEOUT_S = 300.0
+
+
+def _in_child(what: str, timeout_s: float) -> tuple[Any | None, str]:
+    """`what` ("gpus" or "probes") from `python3 -m eotools.cuda_probe`; (result, "") or
+    (None, why the child gave none)."""
+    import json
+    import sys
+
+    scripts = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [scripts, os.environ.get("PYTHONPATH")])),
+    }
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "eotools.cuda_probe", what],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"the GPU query took more than {timeout_s:.0f} s"
+    except OSError as e:
+        return None, f"the GPU query could not start ({e.strerror})"
+    if r.returncode != 0:
+        how = f"signal {-r.returncode}" if r.returncode < 0 else f"exit {r.returncode}"
+        tail = (r.stderr.strip().splitlines() or [""])[-1][:200]
+        return None, f"the GPU query died ({how}{': ' + tail if tail else ''})"
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1]), ""
+    except (ValueError, IndexError):
+        return None, "the GPU query printed no answer"
+
+
+def query_gpus_in_child(timeout_s: float = CHILD_TIMEOUT_S) -> tuple[list[Gpu], str]:
+    """query_gpus() in a child process (above)."""
+    got, why = _in_child("gpus", timeout_s)
+    if got is None:
+        return [], why
+    return [Gpu(**g) for g in got["gpus"]], got["how"]
+
+
+def probes_in_child(timeout_s: float = CHILD_TIMEOUT_S) -> list[Probe]:
+    """The two host-mapping probes in a child process (above); a child that died is a
+    refusal of both: vLLM would meet the same driver."""
+    got, why = _in_child("probes", timeout_s)
+    if got is None:
+        return [Probe(n, False, why) for n in ("cudaHostRegister", "cuMemCreate(HOST_NUMA)")]
+    return [Probe(**p) for p in got]
+
+
+def _child_main(what: str) -> int:
+    import dataclasses
+    import json
+
+    if what == "gpus":
+        gpus, how = query_gpus()
+        out: Any = {"gpus": [dataclasses.asdict(g) for g in gpus], "how": how}
+    elif what == "probes":
+        out = [dataclasses.asdict(p) for p in (probe_host_register(), probe_vmm_host_numa())]
+    else:
+        return 2
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_child_main(sys.argv[1] if len(sys.argv) > 1 else ""))

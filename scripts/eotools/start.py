@@ -30,7 +30,7 @@ import threading
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, NoReturn
 
-from . import serve_args, settings, state_dir
+from . import cuda_probe, serve_args, settings, state_dir
 from .cold_contract import ContractError, read_text
 
 PROG = "start"
@@ -358,6 +358,9 @@ def run_preflight(
         one_table=values["VLLM_EXPERT_ONE_TABLE"],
         prefill_staging=values["VLLM_EXPERT_PREFILL_STAGING"],
         vmm_fail_at=set(values["VLLM_EXPERT_VMM_FAIL_AT"] or ()),
+        # from a child process: no CUDA state of this process may reach the exec'd vLLM
+        query_gpus=cuda_probe.query_gpus_in_child,
+        probes=cuda_probe.probes_in_child,
     )
     return preflight.run(setup, sorted(values["EO_PREFLIGHT_SKIP"] or ()))
 

@@ -671,3 +671,55 @@ def test_docs_say_the_table():
     doc = (ROOT / "docs/configuration.md").read_text()
     for reader in ("vLLM", "start"):
         assert settings.markdown(reader) in doc, f"python3 -m eotools.settings ({reader})"
+
+
+# --- the GPU questions come from a child process ---------------------------------------------
+
+
+def test_the_preflight_asks_the_gpus_from_a_child_process(monkeypatch):
+    """The start execs vLLM in its own process: CUDA state it made (torch's contexts, the
+    driver's files) would be inherited, so its preflight asks the GPUs from a child."""
+    from eotools import cuda_probe, preflight, start
+
+    seen = {}
+    monkeypatch.setattr(preflight, "run", lambda setup, skip: seen.setdefault("setup", setup) and 0)
+    values = settings.read({})
+    start.run_preflight(values, {}, serve_args.parse(["/models/m"]), None)
+    assert seen["setup"].query_gpus is cuda_probe.query_gpus_in_child
+    assert seen["setup"].probes is cuda_probe.probes_in_child
+
+
+def test_the_child_answers_as_the_process_would(monkeypatch):
+    from eotools import cuda_probe
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cuda_probe.query_gpus_in_child() == cuda_probe.query_gpus()
+    here = [cuda_probe.probe_host_register(), cuda_probe.probe_vmm_host_numa()]
+    assert cuda_probe.probes_in_child() == here
+
+
+@pytest.mark.parametrize(
+    "script, says",
+    [
+        ("kill -SEGV $$", "the GPU query died (signal 11)"),
+        ("echo driver blew up >&2; exit 3", "the GPU query died (exit 3: driver blew up)"),
+        ("echo not json", "the GPU query printed no answer"),
+        ("sleep 30", "the GPU query took more than 1 s"),
+    ],
+    ids=["crash", "exit", "garbage", "hang"],
+)
+def test_a_child_that_gives_no_answer_is_a_refusal_not_a_traceback(
+    tmp_path, monkeypatch, script, says
+):
+    """A driver that kills or hangs the child: no GPU listed (the gpus check fails with why)
+    and both host-mapping probes refused, as vLLM would meet the same driver."""
+    from eotools import cuda_probe
+
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!/bin/sh\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    gpus, how = cuda_probe.query_gpus_in_child(timeout_s=1)
+    assert gpus == [] and how == says
+    probes = cuda_probe.probes_in_child(timeout_s=1)
+    assert [p.works for p in probes] == [False, False] and all(p.detail == says for p in probes)

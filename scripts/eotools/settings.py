@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .cold_contract import ContractError, parse_layer_list
+from .cold_contract import MAX_LAYERS, ContractError, parse_layer_list
 
 # upper bounds of what a typo can ask for; each far above what a real setup uses
 MAX_BUDGET_GIB = 4096.0  # routed experts on host, per card
@@ -161,11 +161,12 @@ def path(what: str) -> Kind:
 def layer_list(variable: str) -> Kind:
     def parse(text: str) -> frozenset[int]:
         try:
-            return parse_layer_list(text, variable, MAX_LAYER)
+            # the contract's own cap; the model's layers are checked once it is read
+            return parse_layer_list(text, variable)
         except ContractError as e:  # problem: "VARIABLE='spec': what", and its fix
             raise Invalid(e.problem.split(": ", 1)[-1], e.fix) from None
 
-    return Kind("layer list", f"layers 0-{MAX_LAYER} and ranges, e.g. 0-5,40", parse)
+    return Kind("layer list", f"layers 0-{MAX_LAYERS - 1} and ranges, e.g. 0-5,40", parse)
 
 
 def partition() -> Kind:

@@ -147,7 +147,7 @@ def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root
         "4096",
     ]
     shell = {**env, "ONE_TABLE": "0", "SERVED_MODEL_NAME": "q4"}  # the shell wins
-    shell["VLLM_API_KEY"] = "not-for-serve-local"  # its checks send no key: dropped
+    shell["VLLM_API_KEY"] = "the-shell-key"  # the server's key, which its checks send
     for _ in range(2):  # a second start in the same WORKDIR keeps the first one's log
         r = subprocess.run(command, env=shell, capture_output=True, text=True, timeout=600)
         out = r.stdout + r.stderr
@@ -164,13 +164,13 @@ def test_serve_local_serves_the_2x32gb_command_line_with_a_local_model(repo_root
     assert lens == ["262144", "4096"]
     seen = _env(tmp_path)
     assert seen["EO_TOPOLOGY"] == "2x32GB"
-    assert seen["VLLM_PLE_TABLE"] == "host"
+    assert seen["VLLM_PLE_TABLE"] == "auto"  # compose: PLE_TABLE, default auto
     assert seen["VLLM_EXPERT_ONE_TABLE"] == "0"  # the file's default is 1
     assert seen["VLLM_EXPERT_PREFILL_STAGING"] == "1"
     assert seen["EO_HOST_BUDGET_GIB"] == "7.6"
     assert seen["VLLM_EXPERT_COLD_FILE"] == ""
     assert seen["EO_STATE_DIR"] == str(work / "state") and (work / "state").is_dir()
-    assert seen["EO_ALLOW_NO_API_KEY"] == "1" and "VLLM_API_KEY" not in seen
+    assert seen["EO_ALLOW_NO_API_KEY"] == "0" and seen["VLLM_API_KEY"] == "the-shell-key"
 
 
 @pytest.mark.parametrize(

@@ -108,7 +108,7 @@ REFUSED = [
     case(
         "host-layers-huge",
         SETTING,
-        ["VLLM_EXPERT_HOST_LAYERS='0-99999999999'", "beyond"],
+        ["VLLM_EXPERT_HOST_LAYERS='0-99999999999'", "is above 99999", "name layers 0-99999"],
         {"VLLM_EXPERT_HOST_LAYERS": "0-99999999999"},
     ),
     case(
@@ -161,7 +161,7 @@ REFUSED = [
     case(
         "host-layers-superscript",
         SETTING,
-        ["VLLM_EXPERT_HOST_LAYERS='²'", "cannot read"],
+        ["VLLM_EXPERT_HOST_LAYERS='²'", "not an ASCII digit"],
         {"VLLM_EXPERT_HOST_LAYERS": "²"},
     ),
     case(
@@ -253,6 +253,42 @@ REFUSED = [
         SETTING,
         ["VLLM_EXPERT_COUNT_INTERVAL_S='-5'", "outside >= 0"],
         {"VLLM_EXPERT_COUNT_INTERVAL_S": "-5"},
+    ),
+    case(
+        "ple-table-pinned",
+        SETTING,
+        ["VLLM_PLE_TABLE='pinned'", "not one of gpu, host, file, auto"],
+        {"VLLM_PLE_TABLE": "pinned"},
+    ),
+    case(
+        "ple-prefetch-threads-many",
+        SETTING,
+        ["VLLM_PLE_PREFETCH_THREADS='many'", "whole number"],
+        {"VLLM_PLE_PREFETCH_THREADS": "many"},
+    ),
+    case(
+        "ple-reserve-nan",
+        SETTING,
+        ["VLLM_PLE_AUTO_RESERVE_GB='nan'", "finite"],
+        {"VLLM_PLE_AUTO_RESERVE_GB": "nan"},
+    ),
+    case(
+        "ple-host-experts-negative",
+        SETTING,
+        ["VLLM_PLE_AUTO_HOST_EXPERTS_GB='-5'", "outside >= 0"],
+        {"VLLM_PLE_AUTO_HOST_EXPERTS_GB": "-5"},
+    ),
+    case(
+        "ple-min-reads-inf",
+        SETTING,
+        ["VLLM_PLE_MIN_READS_PER_S='inf'", "finite"],
+        {"VLLM_PLE_MIN_READS_PER_S": "inf"},
+    ),
+    case(
+        "ple-evict-yes",
+        SETTING,
+        ["VLLM_PLE_FILE_EVICT='yes'", "0 or 1"],
+        {"VLLM_PLE_FILE_EVICT": "yes"},
     ),
     case(
         "trace-tokens-float",

@@ -54,7 +54,14 @@ from typing import Any
 
 from . import bench_vllm_report as rep
 from .nvsmi import gpu_name
-from .soak import Server, ServerFailed, extra_value, host_experts, split_serve_args
+from .soak import (
+    Server,
+    ServerFailed,
+    cold_file,
+    extra_value,
+    host_experts,
+    split_serve_args,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1]
@@ -342,17 +349,6 @@ class Peaks:
 
 
 # -- the run -----------------------------------------------------------------------------
-
-
-def cold_file(args: argparse.Namespace) -> pathlib.Path:
-    """--cold, or the synthetic cold file of --host-experts-per-layer (as soak makes it)."""
-    if args.cold is not None:
-        return args.cold.resolve()
-    from .synthetic_cold import synthetic_cold_file
-
-    path = (args.out / f"cold-{args.host_experts_per_layer}.json").resolve()
-    synthetic_cold_file(args.model, path, args.host_experts_per_layer)
-    return path
 
 
 def model_info(args: argparse.Namespace, cold: pathlib.Path) -> dict[str, Any]:

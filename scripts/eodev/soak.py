@@ -275,7 +275,8 @@ def served_model(base_url: str) -> str:
 
 
 def cold_file(args: argparse.Namespace) -> pathlib.Path:
-    """--cold, or the synthetic cold file of --host-experts-per-layer (as bench-offload)."""
+    """--cold, or the synthetic cold file of --host-experts-per-layer (as bench-offload);
+    bench-vllm makes its own the same way."""
     if args.cold is not None:
         return args.cold.resolve()
     from .synthetic_cold import synthetic_cold_file

@@ -53,6 +53,8 @@ from .ple_table import choose_placement, ple_tables, table_file_problems
 from .selection import GiB, SelectionError
 from .topologies import TOPOLOGIES, Topology, get_topology
 
+RESOLVED_ENV = "VLLM_PLE_TABLE_RESOLVED"  # vLLM's variable for VLLM_PLE_TABLE=auto's decision
+
 # What vLLM's own processes take besides the host experts (API server, one worker per GPU:
 # CUDA context, torch, pinned staging buffers): an estimate, used for a warning only.
 RESERVE_GIB_BASE = 2.0
@@ -125,6 +127,9 @@ class Setup:
     site: pathlib.Path | None = None  # where the vllm package is installed; None: find it
     apply_patches: pathlib.Path = ROOT / "scripts" / "apply-patches.sh"
     reserve_gib: float | None = None
+    # what the checks decided that vLLM is to be told: VLLM_PLE_TABLE=auto's placement
+    # as VLLM_PLE_TABLE_RESOLVED (the start program puts these in vLLM's environment)
+    exports: dict[str, str] = field(default_factory=dict)
     query_gpus: Callable[[], tuple[list[cuda_probe.Gpu], str]] = cuda_probe.query_gpus
     probes: Callable[[], list[cuda_probe.Probe]] = field(
         default=lambda: [cuda_probe.probe_host_register(), cuda_probe.probe_vmm_host_numa()]
@@ -414,6 +419,9 @@ def resolve_ple_table(setup: Setup, cold: dict[str, Any] | None) -> tuple[str, l
             f"GiB + reserve {reserve_gib:.2f} GiB, +10% = {need / GiB:.2f} GiB"
         )
         free = f"{room[0] / GiB:.2f} GiB free ({room[1]})" if room else "free memory unknown"
+        # vLLM honours this decision (qwen4_exp/common/ple_file.py resolve_placement)
+        # instead of deciding again with its own view of the figures
+        setup.exports[RESOLVED_ENV] = placement
         if placement == "host":
             out.append(
                 Result("host-memory", "ok", f"{label}: page-locks the tables: {figures}; {free}")

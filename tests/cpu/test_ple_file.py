@@ -221,18 +221,16 @@ def test_file_placement_logs_where_the_table_is(vllm_cpu, file_placement, caplog
 
 
 class FakeTable:
-    """Records the pages read; a row is its own page."""
+    """Records the pages read ahead; a row is its own page."""
 
     def __init__(self):
         self.read: list[int] = []
         self.lock = threading.Lock()
 
-    def pages(self, ids):
-        return [(0, int(i)) for i in np.unique(ids)]
-
-    def read_pages(self, pages):
+    def will_need(self, ids):
+        pages = np.unique(ids).tolist()
         with self.lock:
-            self.read += [p for _, p in pages]
+            self.read += pages
         return len(pages)
 
 
@@ -404,6 +402,7 @@ def test_auto_decides_once_and_says_why(vllm_cpu, monkeypatch, caplog_vllm):  # 
 
     monkeypatch.setenv("VLLM_PLE_TABLE", "auto")
     monkeypatch.delenv(pf.RESOLVED_ENV, raising=False)
+    monkeypatch.setattr(pf, "_on_cuda", lambda: True)
     monkeypatch.setenv("EO_HOST_BUDGET_GIB", "7.6")
     monkeypatch.setattr(pf, "read_host_figures", lambda: pf.HostFigures(64 * GiB))
     cfg = SimpleNamespace(
@@ -551,8 +550,8 @@ def test_a_slow_drive_is_a_start_up_warning(caplog_vllm, monkeypatch):  # noqa: 
     pf.check_read_rate(150.0, "/models/m/model.safetensors")
     text = caplog_vllm.text
     assert "the drive holding /models/m/model.safetensors served 150 random 4 KiB reads/s" in text
-    # 8192 x 16 rows at 150 reads/s on 8 threads: about 109 s
-    assert "take about 109 s to read before its prefill" in text
+    # 8192 x 16 rows at 150 reads/s at queue depth 1: about 874 s, whatever the threads
+    assert "take up to about 874 s to read before its prefill" in text
     assert "Put the checkpoint on an SSD" in text and "VLLM_PLE_TABLE=host" in text
 
 
@@ -602,7 +601,7 @@ def test_the_prefetcher_logs_its_counters(monkeypatch, caplog_vllm):  # noqa: F8
     monkeypatch.setattr(pf, "LOG_EVERY_S", 0.0)
     p = pf.PLEPrefetcher([(FakeTable(), lambda toks, ctx: np.asarray(toks))], threads=1)
     p.submit("a", [1, 2, 3])
-    wait_until(lambda: "PLE prefetch: 1 requests, 3 pages read" in caplog_vllm.text)
+    wait_until(lambda: "PLE prefetch: 1 requests, 3 pages read ahead" in caplog_vllm.text)
     p.close()
 
 
@@ -618,8 +617,8 @@ def test_the_model_state_prefetches_at_arrival_and_cancels_on_removal():
         def __init__(self):
             self.calls = []
 
-        def submit(self, req_id, tokens):
-            self.calls.append(("submit", req_id, list(tokens)))
+        def submit(self, req_id, tokens, start=0):
+            self.calls.append(("submit", req_id, list(tokens), start))
 
         def cancel(self, req_id):
             self.calls.append(("cancel", req_id))
@@ -634,4 +633,283 @@ def test_the_model_state_prefetches_at_arrival_and_cancels_on_removal():
     )
     state.add_request(0, new)
     state.remove_request("r1")
-    assert rec.calls == [("submit", "r1", [5, 9, 11]), ("cancel", "r1")]
+    assert rec.calls == [("submit", "r1", [5, 9, 11], 0), ("cancel", "r1")]
+    # prefix-cached tokens are computed already: the prefetch starts after them
+    rec.calls.clear()
+    state.add_request(0, SimpleNamespace(**{**vars(new), "num_computed_tokens": 2}))
+    assert rec.calls == [("submit", "r1", [5, 9, 11], 2)]
+
+
+def test_prompt_rows_are_safe_from_many_threads(vllm_cpu):
+    """The prefetch threads share one PromptRows per layer: each call's buffers are its own."""
+    emb = build_embedding(text_config(), 0)
+    rows = pf.PromptRows(emb)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, 60, size=int(rng.integers(1, 200))).tolist() for _ in range(40)]
+    want = [rows(p) for p in prompts]
+    errors: list[BaseException] = []
+    wrong: list[int] = []
+    start = threading.Barrier(8)
+
+    def work(seed):
+        start.wait()
+        for i in np.random.default_rng(seed).permutation(len(prompts)):
+            try:
+                if not np.array_equal(rows(prompts[i]), want[i]):
+                    wrong.append(int(i))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not wrong
+
+
+# --- review fixes: lookups over many shards, readahead, cancel by job, auto, headers --------
+
+
+class CountingViews(list):
+    """A table's per-segment views, counting the segments a gather touches."""
+
+    touched = 0
+
+    def __getitem__(self, k):
+        CountingViews.touched += 1
+        return super().__getitem__(k)
+
+
+def test_many_shards_read_the_same_and_work_by_the_segments_hit(vllm_cpu, tmp_path, monkeypatch):
+    """512 shards (upstream's split_ngram_parts): same rows and pages as one tensor, and a
+    gather touches the segments its ids hit, not every segment."""
+    values = table(rows=2048, width=4)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    one = file_table(tmp_path / "one", values)
+    many = file_table(tmp_path / "many", values, parts=512)
+    assert len(many._views) == 512
+    ids = np.array([5, 2047, 4, 1024, 7, 2048, -1, 6, 1025], dtype=np.int64)  # 3 segments
+    out_one = np.empty((ids.size, one.row_bytes), np.uint8)
+    out_many = np.empty_like(out_one)
+    one.gather(ids, out_one)
+    many._views = CountingViews(many._views)
+    CountingViews.touched = 0
+    scans = []  # whole-array passes: one per segment before the fix (512 here)
+    real_nonzero = np.nonzero
+    monkeypatch.setattr(np, "nonzero", lambda a: scans.append(1) or real_nonzero(a))
+    many.gather(ids, out_many)
+    many.pages(ids)
+    many.missing_pages(ids)
+    monkeypatch.undo()
+    assert np.array_equal(out_one, out_many)
+    assert CountingViews.touched == 3  # segments 1 (4..7), 256 (1024, 1025), 511 (2047)
+    assert len(scans) <= 8  # a few passes over the ids, whatever the segment count
+    want = torch.nn.functional.embedding(torch.tensor(np.clip(ids, 0, 2047)), values)
+    got = torch.from_numpy(out_many).view(torch.bfloat16).reshape(ids.size, 4)
+    valid = torch.tensor((ids >= 0) & (ids < 2048))
+    assert torch.equal(got[valid], want[valid]) and not got[~valid].any()
+
+    # pages: each row's page(s), the same set however the table is split into tensors
+    def brute(t):
+        out = set()
+        for i in ids[(ids >= 0) & (ids < 2048)]:
+            k = int(np.searchsorted(t._starts, i, side="right") - 1)
+            fd, base = t._offsets[k]
+            first = base + (int(i) - int(t._starts[k])) * t.row_bytes
+            for p in range(first // pf.PAGE, (first + t.row_bytes - 1) // pf.PAGE + 1):
+                out.add((fd, p * pf.PAGE))
+        return sorted(out)
+
+    for t in (one, many):
+        assert t.pages(ids) == brute(t)
+        assert t.missing_pages(ids)[1] == len(brute(t))
+
+
+def test_readahead_asks_the_kernel_once_per_run_of_pages(vllm_cpu, tmp_path, monkeypatch):
+    values = table(rows=40000, width=HEAD_DIM)  # 8-byte rows: 512 a page
+    t = file_table(tmp_path, values, parts=3)
+    calls = []
+    monkeypatch.setattr(pf.os, "posix_fadvise", lambda *a: calls.append(a))
+    ids = np.concatenate([np.arange(0, 2000), [20000, 39999, 39998]])  # 0..1999: 4-5 pages
+    n = t.will_need(ids)
+    assert n == len(t.pages(ids))
+    assert all(c[3] == os.POSIX_FADV_WILLNEED for c in calls)
+    advised = sorted((fd, off + i) for fd, off, ln, _ in calls for i in range(0, ln, pf.PAGE))
+    assert advised == t.pages(ids)  # every page, once
+    assert len(calls) == len(t.page_runs(ids)) < n  # adjacent pages merged into runs
+    assert len(calls) == 3  # rows 0..1999 (in shard 0), 20000, 39998..39999
+
+
+def test_prefetch_starts_after_the_computed_tokens(vllm_cpu):
+    seen = []
+    p = pf.PLEPrefetcher(
+        [(FakeTable(), lambda toks, ctx: seen.append((list(toks), list(ctx))) or np.asarray(toks))],
+        threads=1,
+        chunk_tokens=3,
+        context_tokens=2,
+        max_pending_tokens=4,
+    )
+    p.submit("a", [1, 2, 3, 4, 5, 6, 7, 8], start=3)  # 3 prefix-cached; 4 of 5 fit the bound
+    wait_until(lambda: p.pending_tokens == 0)
+    assert seen == [([4, 5, 6], [2, 3]), ([7], [5, 6])]
+    assert p.counters.tokens_dropped == 1
+    p.close()
+
+
+def test_re_adding_a_request_stops_its_old_job_and_runs_the_new_one():
+    """A streaming update removes and re-adds a request: the old job stops, the new one runs
+    to its end (cancel is by job, so the re-add never revives the stale job)."""
+    p, t, gate, started = blocked_prefetcher(threads=1, chunk_tokens=10)
+    p.submit("a", range(100))  # 10 chunks; the worker blocks in the first
+    started.wait(5)
+    p.cancel("a")  # remove_request
+    p.submit("a", range(1000, 1030))  # add_request with the updated prompt: 3 chunks
+    gate.set()
+    wait_until(lambda: p.pending_tokens == 0)
+    old = [r for r in t.read if r < 100]
+    new = [r for r in t.read if r >= 1000]
+    assert old == list(range(10))  # the first chunk only
+    assert new == list(range(1000, 1030))  # all of the new job
+    assert p.counters.requests_cancelled == 1
+    # a re-add without a removal in between also makes the older job stale
+    gate.clear()
+    started.clear()
+    t.read.clear()
+    p.submit("b", range(100))
+    started.wait(5)
+    p.submit("b", range(2000, 2010))
+    gate.set()
+    wait_until(lambda: p.pending_tokens == 0)
+    assert sorted(t.read) == [*range(10), *range(2000, 2010)]
+    assert p.counters.requests_cancelled == 2  # the stale job counts as cancelled
+    p.close()
+
+
+def auto_config(quant=None, pp=1):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(
+            hf_text_config=text_config(
+                ngram_vocab_size_base=20_000_000,
+                ple_layer_ids=[1],
+                hidden_size=2560,
+                ple_embed_dim=2560,
+                heads_per_ngram=8,
+                make_ngram_vocab_size_divisible_by=128,
+            ),
+            dtype=torch.bfloat16,
+            quantization=quant,
+        ),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=1),
+    )
+
+
+def test_auto_counts_an_fp8_table_at_one_byte(vllm_cpu, monkeypatch, caplog_vllm):  # noqa: F811
+    monkeypatch.setenv("VLLM_PLE_TABLE", "auto")
+    monkeypatch.delenv(pf.RESOLVED_ENV, raising=False)
+    monkeypatch.delenv("EO_HOST_BUDGET_GIB", raising=False)
+    monkeypatch.setattr(pf, "_on_cuda", lambda: True)
+    monkeypatch.setattr(pf, "_told", set())
+    # 47.68 GiB (FP8) + 8 GiB reserve, +10% = 61.3 GiB fits 64 GiB; BF16 (95.37) would not
+    monkeypatch.setattr(pf, "read_host_figures", lambda: pf.HostFigures(64 * GiB))
+    assert pf.resolve_placement(auto_config(quant="fp8")) == "host"
+    assert "n-gram tables 47.68 GiB + host experts 0.00 GiB" in caplog_vllm.text
+    monkeypatch.delenv(pf.RESOLVED_ENV)
+    assert pf.resolve_placement(auto_config()) == "file"
+    assert "n-gram tables 95.37 GiB" in caplog_vllm.text
+    # an HF quantization_config says fp8 where model_config.quantization is not set yet
+    from types import SimpleNamespace
+
+    cfg = auto_config()
+    cfg.model_config.quantization = None
+    cfg.model_config.hf_config = SimpleNamespace(quantization_config={"quant_method": "fp8"})
+    assert pf.table_element_bytes(cfg.model_config) == 1
+    monkeypatch.delenv(pf.RESOLVED_ENV)
+
+
+def test_auto_honours_the_start_programs_decision(vllm_cpu, monkeypatch, caplog_vllm):  # noqa: F811
+    monkeypatch.setenv("VLLM_PLE_TABLE", "auto")
+    monkeypatch.setattr(pf, "_on_cuda", lambda: True)
+    monkeypatch.setattr(pf, "_told", set())
+
+    def no_figures():
+        raise AssertionError("the host is not looked at again")
+
+    monkeypatch.setattr(pf, "read_host_figures", no_figures)
+    for decided in ("host", "file"):
+        monkeypatch.setenv(pf.RESOLVED_ENV, decided)
+        assert pf.resolve_placement(auto_config()) == decided
+        assert pf.resolve_placement(auto_config()) == decided
+        assert caplog_vllm.text.count(f"VLLM_PLE_TABLE=auto is {decided}, as decided") == 1
+
+
+def test_auto_is_gpu_off_cuda(vllm_cpu, monkeypatch, caplog_vllm):  # noqa: F811
+    """ROCm (or any platform without CUDA host registration): upstream's placement."""
+    monkeypatch.setenv("VLLM_PLE_TABLE", "auto")
+    monkeypatch.setenv(pf.RESOLVED_ENV, "file")  # even where one was exported
+    monkeypatch.setattr(pf, "_on_cuda", lambda: False)
+    monkeypatch.setattr(pf, "_told", set())
+    assert pf.resolve_placement(auto_config()) == "gpu"
+    assert pf.resolve_placement(auto_config()) == "gpu"
+    assert caplog_vllm.text.count("VLLM_PLE_TABLE=auto keeps them in VRAM (gpu)") == 1
+
+
+def write_header(path, header, length=None) -> str:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw) if length is None else length) + raw)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "header, length, says",
+    [
+        ({}, 1 << 40, "declares a 1099511627776-byte safetensors header"),
+        ([1, 2], None, "not a JSON object"),
+        ({"t": 5}, None, "entry 't' is not an object"),
+        ({"t": {"dtype": 3, "shape": [1], "data_offsets": [0, 2]}}, None, "no dtype string"),
+        ({"t": {"dtype": "BF16", "shape": "1x2", "data_offsets": [0, 2]}}, None, "shape '1x2'"),
+        ({"t": {"dtype": "BF16", "shape": [1, -2], "data_offsets": [0, 2]}}, None, "shape [1, -2]"),
+        ({"t": {"dtype": "BF16", "shape": [1]}}, None, "data_offsets None"),
+        ({"t": {"dtype": "BF16", "shape": [1], "data_offsets": [4, 2]}}, None, "[4, 2]"),
+        ({"t": {"dtype": "BF16", "shape": [1], "data_offsets": [0, "2"]}}, None, "[0, '2']"),
+        (b"[" * 100000, None, "not JSON"),
+    ],
+)
+def test_a_corrupt_header_is_refused_naming_the_file(tmp_path, header, length, says):
+    f = write_header(tmp_path / "bad.safetensors", header, length)
+    text = refused(lambda: pf.read_safetensors_header(f))
+    assert f in text and says in text and FIX in text
+
+
+def test_the_file_list_is_the_loaders(tmp_path, monkeypatch):
+    """Only the files model.safetensors.index.json names (as the default loader keeps them);
+    a hub id is looked up in --download-dir."""
+    for name in ("model-1.safetensors", "model-2.safetensors", "consolidated.safetensors"):
+        save(tmp_path / name, {"x": torch.ones(1)})
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}})
+    )
+    assert pf.checkpoint_files(str(tmp_path)) == [
+        str(tmp_path / "model-1.safetensors"),
+        str(tmp_path / "model-2.safetensors"),
+    ]
+    import huggingface_hub
+
+    seen = {}
+
+    def fake_download(repo, **kw):
+        seen.update(kw, repo=repo)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert len(pf.checkpoint_files("org/m", "main", "/data/hf")) == 2
+    assert seen == {
+        "repo": "org/m",
+        "revision": "main",
+        "cache_dir": "/data/hf",
+        "local_files_only": True,
+    }

@@ -159,6 +159,42 @@ def test_auto_reads_the_file_when_the_container_limit_is_tight(tmp_path):
     assert pf.exit_code(mem) == 0
 
 
+def test_autos_decision_is_exported_for_vllm(tmp_path):
+    """One rule: the preflight's auto decision goes to vLLM as VLLM_PLE_TABLE_RESOLVED."""
+    for limit, want in ((None, "host"), (64, "file")):
+        sub = tmp_path / want
+        sub.mkdir()
+        s = setup_for(
+            sub, model=str(target_with_table(sub)), ple_table="auto", avail_gib=200,
+            limit_gib=limit, reserve_gib=8,
+        )  # fmt: skip
+        pf.run_checks(s, skip=["vllm"])
+        assert s.exports == {"VLLM_PLE_TABLE_RESOLVED": want}
+    # only auto is decided here: file and host are vLLM's own setting already
+    s = setup_for(tmp_path, model=str(target_with_table(tmp_path)), ple_table="file")
+    pf.run_checks(s, skip=["vllm"])
+    assert s.exports == {}
+
+
+def test_the_start_program_hands_the_decision_to_vllm(monkeypatch):
+    from eotools import serve_args, settings, start
+
+    def run(setup, skip, code=0):
+        setup.exports["VLLM_PLE_TABLE_RESOLVED"] = "file"
+        return code
+
+    monkeypatch.setattr(pf, "run", run)
+    environ: dict[str, str] = {}
+    values = settings.read({"VLLM_PLE_TABLE": "auto"})
+    assert start.run_preflight(values, environ, serve_args.parse(["/models/m"]), None) == 0
+    assert environ == {"VLLM_PLE_TABLE_RESOLVED": "file"}
+    # a failed preflight hands nothing on (vLLM is not started)
+    monkeypatch.setattr(pf, "run", lambda setup, skip: run(setup, skip, code=3))
+    environ.clear()
+    assert start.run_preflight(values, environ, serve_args.parse(["/models/m"]), None) == 3
+    assert environ == {}
+
+
 def test_file_mode_counts_nothing_pinned(tmp_path):
     s = setup_for(tmp_path, model=str(target_with_table(tmp_path)), ple_table="file", avail_gib=8)
     mem = only(pf.run_checks(s, skip=["vllm"]), "host-memory")

@@ -282,5 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "layers that fit the model"
         )
         return 1
+    # the lock ends with this command: only the image's start program (scripts/start), which
+    # runs this in its own process and execs vLLM, holds the folder while the server runs
+    log(
+        f"budget-start: note: {args.state_dir} is not locked once this command exits: serve one "
+        "server per state folder (the image's start program keeps it locked while vLLM runs)"
+    )
     sys.stdout.write(start.shell())
     return 0

@@ -14,6 +14,7 @@ import pathlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -71,22 +72,71 @@ def normalised_usage(
     return usage
 
 
+MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own cap
+
+
+def safetensors_header(path: pathlib.Path) -> dict[str, Any]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets), read without
+    the weights; SelectionError naming the file where it is not one."""
+    bad = f"{path}: not a readable safetensors file"
+    fix = "re-download the checkpoint (a file cut short or replaced)"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise SelectionError(f"{bad} (shorter than 8 bytes); {fix}")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES:
+                raise SelectionError(f"{bad} (a header of {n:,} bytes); {fix}")
+            body = f.read(n)
+    except OSError as e:
+        raise SelectionError(f"{bad} ({e.strerror}); {fix}") from None
+    try:
+        header = json.loads(body) if len(body) == n else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise SelectionError(f"{bad} (its header is cut short or not a JSON object); {fix}")
+    return header
+
+
+def _span(path: pathlib.Path, key: str, meta: Any) -> int:
+    offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise SelectionError(
+            f"{path}: tensor {key[:80]!r} has no valid data_offsets in the safetensors "
+            "header; re-download the checkpoint"
+        )
+    return offsets[1] - offsets[0]
+
+
 def expert0_tensor_bytes(model_dir: pathlib.Path) -> dict[str, int]:
     """Bytes of each tensor of expert 0 of the first MoE layer in the checkpoint, by its name
     after '.experts.0.' (e.g. 'gate_proj.qweight'), read from the safetensors headers (no
     weights are loaded); empty where the checkpoint has no safetensors files or experts."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        where = json.loads(index.read_text())["weight_map"]
+        try:
+            where = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError):
+            where = None
+        if not isinstance(where, dict) or not all(isinstance(v, str) for v in where.values()):
+            raise SelectionError(
+                f"{index}: not a safetensors index with a 'weight_map' of tensor names to "
+                "files; re-download the checkpoint"
+            )
         files = sorted(set(where.values()))
     else:
         files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
     pattern = None
     sizes: dict[str, int] = {}
     for name in files:
-        with open(model_dir / name, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+        header = safetensors_header(model_dir / name)
         for key, meta in header.items():
             if key == "__metadata__" or ".experts.0." not in key:
                 continue
@@ -94,8 +144,7 @@ def expert0_tensor_bytes(model_dir: pathlib.Path) -> dict[str, int]:
             if pattern is None:
                 pattern = prefix
             if prefix == pattern:
-                start, end = meta["data_offsets"]
-                sizes[tensor] = end - start
+                sizes[tensor] = _span(model_dir / name, key, meta)
         if pattern is not None:
             break
     return sizes
@@ -107,7 +156,16 @@ def expert_bytes(model_dir: pathlib.Path) -> int:
     directory written without weights states it in synthetic_model.json."""
     desc = model_dir / "synthetic_model.json"
     if not any(model_dir.glob("*.safetensors")) and desc.exists():
-        return int(json.loads(desc.read_text())["expert_bytes"])
+        try:
+            stated = json.loads(desc.read_text()).get("expert_bytes")
+        except (OSError, ValueError, AttributeError):
+            stated = None
+        if not isinstance(stated, int) or isinstance(stated, bool) or stated <= 0:
+            raise SelectionError(
+                f"{desc}: no 'expert_bytes' as a whole number > 0; remake the test model "
+                "with scripts/make-test-model"
+            )
+        return stated
     total = sum(expert0_tensor_bytes(model_dir).values())
     if not total:
         raise SelectionError(

@@ -25,6 +25,11 @@ _OPTIONS = {
 }
 
 
+# options vLLM's parser would also take shortened (argparse's abbreviations) or from a file:
+# start-up would read them as absent, so they are refused with the full spelling
+_SPELLED_OUT = ("--model", "--pipeline-parallel-size", "--tensor-parallel-size", "--api-key")
+
+
 class ServeArgsError(ValueError):
     """A serve argument start-up needs and cannot read; the message names it."""
 
@@ -67,6 +72,20 @@ def parse(args: Sequence[str]) -> ServeArgs:
     positional argument or --model; the last of repeated options wins, as in argparse)."""
     args = list(args)
     model = args[0] if args and not args[0].startswith("-") else None
+    for arg in args:
+        key = _option(arg)[0]
+        if key == "--config":
+            raise ServeArgsError(
+                "--config: start-up reads the model, the parallel sizes and the API key from "
+                "the command line, not from a config file; give them as arguments"
+            )
+        if len(key) > 3 and key not in _OPTIONS and key != "--api-key":
+            whole = [o for o in _SPELLED_OUT if o.startswith(key)]
+            if whole:
+                raise ServeArgsError(
+                    f"{key} is a shortened option (vLLM would read it as {whole[0]}, start-up "
+                    f"would not); write {whole[0]} in full"
+                )
     values: dict[str, tuple[str, str]] = {}
     api_keys: list[str] | None = None
     wants_help = False

@@ -193,6 +193,15 @@ def secret() -> Kind:
     return Kind("text", "printable, no surrounding spaces", parse)
 
 
+def derived(by: str) -> Kind:
+    """A value the start sets itself; one set from outside would skip what decides it."""
+
+    def parse(text: str) -> str:
+        raise Invalid(f"is set by the start ({by}), not by hand", "unset it")
+
+    return Kind("set by the start", "unset", parse)
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -351,6 +360,15 @@ SETTINGS: tuple[Setting, ...] = (
         "checkpoint's safetensors files, read through the page cache) or auto (host where "
         "the host's free memory covers it with a margin, else file; the compose files' "
         "default); lower case only, as vLLM reads it",
+        "vLLM",
+    ),
+    Setting(
+        "VLLM_PLE_TABLE_RESOLVED",
+        derived("from the preflight's decision for VLLM_PLE_TABLE=auto"),
+        "",
+        "what VLLM_PLE_TABLE=auto was decided to be (host or file): the start passes the "
+        "preflight's decision to vLLM so that both count the same memory; set "
+        "VLLM_PLE_TABLE=host or file to choose",
         "vLLM",
     ),
     Setting(

@@ -18,6 +18,7 @@ one line (exit 143 or 130), also while budget-start or the preflight runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -148,8 +149,15 @@ def read_model(model: str | None):
     cfg = pathlib.Path(model) / "config.json"
     try:
         st = cfg.stat()
-    except OSError:
-        return None
+    except FileNotFoundError:
+        return None  # a hub id, or a folder without a config.json: vLLM says which
+    except OSError as e:  # EACCES: a host folder the image's user cannot enter
+        raise StartError(
+            EXIT_USAGE,
+            f"{cfg}: cannot be read as uid {os.getuid()} ({e.strerror})",
+            "make the model folder readable to that user on the host (compose: MODEL_DIR, "
+            "mounted at /models; the image runs as uid 2000)",
+        ) from None
     fix = (
         "point the serve arguments at a checkpoint folder with the config.json of a "
         "Hugging Face model"
@@ -257,15 +265,26 @@ def missing_cold_file(cold: str, budget: float | None) -> StartError | None:
     """A cold file that was asked for and is not there is a mistake (a typo, a host path),
     not a reason to start with another placement."""
     p = pathlib.Path(cold)
-    if p.is_file():
+    try:
+        mode: int | None = p.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as e:  # EACCES: a host folder (COLD_DIR) the image's user cannot enter
+        return StartError(
+            EXIT_COLD_FILE,
+            f"VLLM_EXPERT_COLD_FILE={cold}: cannot be read as uid {os.getuid()} ({e.strerror})",
+            "make the cold folder and file readable to that user on the host (compose: "
+            "COLD_DIR, mounted at /cold; the image runs as uid 2000)",
+        )
+    if mode is not None and stat.S_ISREG(mode):
         return None
-    what = "a directory, not a cold file" if p.is_dir() else "no such file in the container"
-    if p.exists() and not p.is_dir():
-        what = "not a regular file"
+    what = "no such file in the container"
+    if mode is not None:
+        what = "a directory, not a cold file" if stat.S_ISDIR(mode) else "not a regular file"
     notes = []
     if not cold.startswith(("/cold/", "/models/", "/state/")):
         notes.append(f"{cold} looks like a path on the host, not in the container")
-    if p.parent.is_dir():
+    with contextlib.suppress(OSError):
         found = sorted(x.name for x in p.parent.glob("*.json"))[:20]
         if found:
             notes.append(f"{p.parent} has: {' '.join(found)}")
@@ -319,8 +338,9 @@ def budget_only_start(
         raise StartError(
             EXIT_BUDGET,
             f"budget-only start with EO_HOST_BUDGET_GIB={budget:g} in {state}: {e}",
-            "give a budget smaller than the routed experts of one pipeline stage, a state "
-            "folder the start can write (EO_STATE_DIR), or a cold file (COLD_FILE)",
+            "change what the message names: the budget (EO_HOST_BUDGET_GIB, at most the "
+            "routed experts of one pipeline stage), the checkpoint, the state folder "
+            "(EO_STATE_DIR), or start from a cold file (COLD_FILE)",
         ) from None
     # the folder's lock stays held through the exec: vLLM inherits the descriptor, so a
     # second server on this folder is refused until this one exits, however it exits
@@ -362,7 +382,12 @@ def run_preflight(
         query_gpus=cuda_probe.query_gpus_in_child,
         probes=cuda_probe.probes_in_child,
     )
-    return preflight.run(setup, sorted(values["EO_PREFLIGHT_SKIP"] or ()))
+    code = preflight.run(setup, sorted(values["EO_PREFLIGHT_SKIP"] or ()))
+    if not code and isinstance(environ, MutableMapping):
+        # VLLM_PLE_TABLE=auto: vLLM takes the preflight's decision
+        # (VLLM_PLE_TABLE_RESOLVED) instead of deciding again by its own figures
+        environ.update(setup.exports)
+    return code
 
 
 def notes(values: Mapping[str, Any]) -> None:
@@ -381,6 +406,11 @@ def notes(values: Mapping[str, Any]) -> None:
 def prepare(argv: Sequence[str], environ: MutableMapping[str, str]) -> None:
     """Everything before the exec; leaves in `environ` what vLLM is to get."""
     serve = serve_args.parse(argv)
+    if serve.model is None:  # vLLM would serve its default model, or the model named later
+        raise serve_args.ServeArgsError(
+            "no model: put the model first (`vllm serve MODEL [options]`, as the compose files "
+            "do) or give --model MODEL"
+        )
     values = settings.read(environ)
     model = read_model(serve.model)
     check_against_model(values, environ, serve, model)

@@ -261,6 +261,12 @@ REFUSED = [
         {"VLLM_PLE_TABLE": "pinned"},
     ),
     case(
+        "ple-resolved-by-hand",
+        SETTING,
+        ["VLLM_PLE_TABLE_RESOLVED='host'", "set by the start", "unset it"],
+        {"VLLM_PLE_TABLE_RESOLVED": "host"},
+    ),
+    case(
         "ple-prefetch-threads-many",
         SETTING,
         ["VLLM_PLE_PREFETCH_THREADS='many'", "whole number"],
@@ -391,6 +397,24 @@ REFUSED = [
     ),
     # serve arguments and the cold file
     case("pp-not-a-number", USAGE, ["-pp 'two'", "parallel sizes"], None, ["-pp", "two"]),
+    # what vLLM's parser reads and start-up's would not: shortened options, a config file
+    case(
+        "pp-shortened",
+        USAGE,
+        ["--pipeline-parallel is a shortened option", "write --pipeline-parallel-size in full"],
+        None,
+        ["--pipeline-parallel", "2"],
+    ),
+    case(
+        "tp-shortened",
+        USAGE,
+        ["--tensor-parallel is a shortened option", "--tensor-parallel-size"],
+        None,
+        ["--tensor-parallel=2"],
+    ),
+    case(
+        "config-file", USAGE, ["--config", "not from a config file"], None, ["--config", "c.yaml"]
+    ),
     case(
         "pp-zero",
         USAGE,
@@ -759,3 +783,76 @@ def test_a_child_that_gives_no_answer_is_a_refusal_not_a_traceback(
     assert gpus == [] and how == says
     probes = cuda_probe.probes_in_child(timeout_s=1)
     assert [p.works for p in probes] == [False, False] and all(p.detail == says for p in probes)
+
+
+def test_a_model_after_the_options_is_refused_not_misread(tmp_path, tiny_model):
+    """vLLM finds the model anywhere among its arguments; start-up reads it first or from
+    --model, so a model elsewhere is refused (exit 2) instead of being checked as none."""
+    r, log = run_start(tmp_path, ["--max-model-len", "4096", str(tiny_model)])
+    assert r.returncode == USAGE and not log.exists(), r.stdout + r.stderr
+    assert "no model: put the model first" in r.stderr and "Traceback" not in r.stderr
+    r, log = run_start(tmp_path, ["--max-model-len", "4096", "--model", str(tiny_model)])
+    assert r.returncode == 0, r.stderr
+
+
+def test_an_unreadable_cold_folder_is_a_message(monkeypatch, tmp_path):
+    """The image runs as uid 2000: a host folder it cannot enter is EACCES from stat(),
+    which pathlib's is_file() raises; the start names the user and the fix."""
+    from eotools import start
+
+    real = pathlib.Path.stat
+
+    def stat(self, *a, **k):
+        if str(self).startswith("/cold/"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    err = start.missing_cold_file("/cold/c.json", None)
+    assert err is not None and err.code == COLD_FILE
+    assert "cannot be read as uid" in err.problem and "Permission denied" in err.problem
+    assert "COLD_DIR" in err.fix and "uid 2000" in err.fix
+
+
+BAD_OFFSETS = b'{"m.experts.0.w": {"data_offsets": "0-10"}}'
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes(b"\x05\x00"), "shorter than 8 bytes"),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((1 << 45).to_bytes(8, "little")),
+            "a header of 35,184,372,088,832 bytes",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((5).to_bytes(8, "little") + b"[1,2]"),
+            "not a JSON object",
+        ),
+        (
+            lambda d: (d / "model.safetensors").write_bytes(
+                len(BAD_OFFSETS).to_bytes(8, "little") + BAD_OFFSETS
+            ),
+            "no valid data_offsets",
+        ),
+        (
+            lambda d: (d / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+            "not a safetensors index",
+        ),
+    ],
+    ids=["short", "huge-header", "header-list", "offsets", "index"],
+)
+def test_a_broken_checkpoint_stops_a_budget_only_start_with_a_message(tmp_path, make, says):
+    """budget-start reads the expert size from the checkpoint's headers: a cut or garbled
+    file is a message naming it (exit 1), never a traceback or a MemoryError."""
+    model = tmp_path / "broken"
+    model.mkdir()
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 4, "num_experts": 8}
+    (model / "config.json").write_text(json.dumps(cfg))
+    make(model)
+    r, log = run_start(
+        tmp_path, [str(model)], EO_HOST_BUDGET_GIB="0.001", EO_STATE_DIR=str(tmp_path / "s")
+    )
+    assert r.returncode == 1 and not log.exists(), r.stdout + r.stderr
+    assert says in r.stderr and str(model) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr

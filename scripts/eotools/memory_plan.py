@@ -26,7 +26,7 @@ Sizes follow vLLM 0.29.0 as released (file:line in that tree):
   padded to the attention page of the block size vLLM picks for the hybrid model
   (platforms/interface.py:767). The null block vLLM holds back (one page per layer of a KV
   group) is not counted: leave a margin.
-- Activations, CUDA graphs, workspaces: no formula in vLLM; the allowance is the published setup's
+- Activations, CUDA graphs, workspaces: no formula in vLLM; the allowance is the publisher's
   measurement (its 2x32GB write-up, sections 1 and 3.5): 1.6 GiB per card besides weights at
   prefill chunk 512, of which 0.34 GiB was KV, and 0.4-0.7 GiB more at chunk 2048 (the upper
   end is used, linear in the chunk), plus the model's own per-chunk buffers computed here.
@@ -60,13 +60,13 @@ EXIT_FITS = 0
 EXIT_DOES_NOT_FIT = 1
 EXIT_USAGE = 2
 
-# The published setup's non-weight VRAM per card (RTX 3090; its 2x32GB write-up, section 1):
+# The publisher's non-weight VRAM per card (RTX 3090; its 2x32GB write-up, section 1):
 # 1.6 GiB including 0.34 GiB of KV at chunk 512; chunk 2048 adds 0.4-0.7 GiB (section 3.5;
 # upper end used).
 ALLOWANCE_BASE_GIB = 1.6 - 0.34
 ALLOWANCE_CHUNK_BASE = 512
 ALLOWANCE_GIB_PER_CHUNK_TOKEN = 0.7 / (2048 - 512)
-# What a card reports (nvidia-smi) and what is left after the driver: the published setup's
+# What a card reports (nvidia-smi) and what is left after the driver: the publisher's
 # RTX 5090 reports 32,607 MiB and counts ~31.4 GiB usable (its 2x32GB write-up, section 1);
 # the same margin is taken from the RTX 3090/4090's 24,576 MiB.
 REPORTED_MIB = {32: 32607, 24: 24576}
@@ -1047,9 +1047,9 @@ def render_markdown(p: Plan) -> str:
         else ""
     )
     lines.append(
-        "- allowance: the published setup's measurement (1.26 GiB besides weights and KV at "
+        "- allowance: the publisher's measurement (1.26 GiB besides weights and KV at "
         "chunk 512, "
-        f"+0.7 GiB at chunk 2048{beyond}); usable VRAM: the published setup's 31.4 GiB of a "
+        f"+0.7 GiB at chunk 2048{beyond}); usable VRAM: the publisher's 31.4 GiB of a "
         "32,607 MiB "
         "card, same margin for others."
     )

@@ -398,27 +398,12 @@ def test_cgroup_v2_without_a_limit_is_no_limit(tmp_path):
 
 
 def test_auto_decides_once_and_says_why(vllm_cpu, monkeypatch, caplog_vllm):  # noqa: F811
-    from types import SimpleNamespace
-
     monkeypatch.setenv("VLLM_PLE_TABLE", "auto")
     monkeypatch.delenv(pf.RESOLVED_ENV, raising=False)
     monkeypatch.setattr(pf, "_on_cuda", lambda: True)
     monkeypatch.setenv("EO_HOST_BUDGET_GIB", "7.6")
     monkeypatch.setattr(pf, "read_host_figures", lambda: pf.HostFigures(64 * GiB))
-    cfg = SimpleNamespace(
-        model_config=SimpleNamespace(
-            hf_text_config=text_config(
-                ngram_vocab_size_base=20_000_000,
-                ple_layer_ids=[1],
-                hidden_size=2560,
-                ple_embed_dim=2560,
-                heads_per_ngram=8,
-                make_ngram_vocab_size_divisible_by=128,
-            ),
-            dtype=torch.bfloat16,
-        ),
-        parallel_config=SimpleNamespace(pipeline_parallel_size=2, tensor_parallel_size=1),
-    )
+    cfg = auto_config(pp=2)
     assert pf.resolve_placement(cfg) == "file"
     assert os.environ[pf.RESOLVED_ENV] == "file"
     assert "VLLM_PLE_TABLE=auto chose reading the checkpoint file (file)" in caplog_vllm.text

@@ -43,7 +43,6 @@ import json
 import os
 import pathlib
 import re
-import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,7 +50,7 @@ from typing import Any
 
 from .compose import read_service
 from .ple_table import _primes_after
-from .selection import GiB, SelectionError, stage_layers
+from .selection import GiB, SelectionError, safetensors_header, stage_layers
 from .topologies import TOPOLOGIES
 
 MiB = 1 << 20
@@ -509,17 +508,10 @@ def safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
 
 def read_header(path: pathlib.Path) -> dict[str, Any]:
     """The JSON header of a safetensors file (its first 8 + N bytes; no tensor data)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise PlanError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * MiB:
-            raise PlanError(f"{path}: header length {n} is not plausible; is it safetensors?")
-        try:
-            return json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: unreadable safetensors header: {e}") from None
+    try:
+        return safetensors_header(path)
+    except SelectionError as e:
+        raise PlanError(str(e)) from None
 
 
 def header_weights(shape: ModelShape, files: Sequence[pathlib.Path]) -> Weights:

@@ -19,14 +19,14 @@ the rule the series' vLLM applies at start-up, qwen4_exp/common/ple_file.py).
 
 from __future__ import annotations
 
-import json
 import mmap
 import pathlib
 import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .selection import safetensors_header_at
 
 GiB = 1 << 30
 PAGE = 4096
@@ -149,21 +149,6 @@ _FIX = (
 _MAP_FIX = "copy the checkpoint to a local drive, or set VLLM_PLE_TABLE=host"
 
 
-def _header(path: pathlib.Path) -> tuple[int, dict[str, Any]]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        body = f.read(min(n, 100 << 20))
-    if len(body) != n:
-        raise ValueError(f"{path}: the safetensors header is truncated")
-    try:
-        return 8 + n, json.loads(body)
-    except ValueError:
-        raise ValueError(f"{path}: the safetensors header is not JSON") from None
-
-
 def table_file_problems(
     model_dir: pathlib.Path, cfg: dict[str, Any], files: Sequence[pathlib.Path] | None = None
 ) -> list[tuple[str, str]]:
@@ -184,7 +169,7 @@ def table_file_problems(
     found: dict[int, list[tuple[pathlib.Path, str, dict[str, Any], int]]] = {}
     for path in paths:
         try:
-            base, header = _header(path)
+            base, header = safetensors_header_at(path)
         except (OSError, ValueError) as e:
             problems.append((str(e) if isinstance(e, ValueError) else f"{path}: {e}", _FIX))
             continue

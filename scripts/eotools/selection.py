@@ -75,10 +75,11 @@ def normalised_usage(
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own cap
 
 
-def safetensors_header(path: pathlib.Path) -> dict[str, Any]:
-    """A safetensors file's header (tensor name -> dtype, shape, data_offsets), read without
-    the weights; SelectionError naming the file where it is not one."""
-    bad = f"{path}: not a readable safetensors file"
+def safetensors_header_at(path: pathlib.Path) -> tuple[int, dict[str, Any]]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and where its
+    tensor data starts, read without the weights; SelectionError naming the file where it
+    is not one."""
+    bad = f"{path}: not a safetensors file"
     fix = "re-download the checkpoint (a file cut short or replaced)"
     try:
         with open(path, "rb") as f:
@@ -97,7 +98,12 @@ def safetensors_header(path: pathlib.Path) -> dict[str, Any]:
         header = None
     if not isinstance(header, dict):
         raise SelectionError(f"{bad} (its header is cut short or not a JSON object); {fix}")
-    return header
+    return 8 + n, header
+
+
+def safetensors_header(path: pathlib.Path) -> dict[str, Any]:
+    """The header alone (safetensors_header_at)."""
+    return safetensors_header_at(path)[1]
 
 
 def _span(path: pathlib.Path, key: str, meta: Any) -> int:

@@ -20,7 +20,7 @@ from eotools.counts import CountsError, load_counts
 
 from .bench import prom
 
-# patches/0010 (ExpertSwapRuntime.self_check): logger.info on success, logger.error on failure
+# patches/0008 (SwapRuntime.self_check): logger.info on success, logger.error on failure
 SELF_CHECK_PASSED = "Expert offload: runtime swap self-check passed after"
 SELF_CHECK_FAILED = "Expert offload: runtime swap self-check FAILED after"
 
@@ -213,7 +213,7 @@ def monotonic_check(series: Sequence[dict]) -> dict[str, Any]:
 
 def count_file_paths(path: pathlib.Path) -> list[pathlib.Path]:
     """The usage-count files of VLLM_EXPERT_COUNT_FILE=path: the path itself with one rank,
-    `stem[.dpN][.ppN]suffix` with several (patches/0006, rank_file_path)."""
+    `stem[.dpN][.ppN]suffix` with several (patches/0003, rank_file_path)."""
     if path.exists():
         return [path]
     return sorted(path.parent.glob(f"{path.stem}.*p[0-9]*{path.suffix}"))

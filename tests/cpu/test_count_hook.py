@@ -106,11 +106,11 @@ def test_the_workers_warm_up_requests_are_not_counted(vllm_cpu, hook, tmp_path, 
     layout = (np.array([0, 2, 4, 5]), np.array([True, True, False]))
     ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 4], [8, 9, 10, 11], [1, 2, 3, 4]])
     with expert_offload.uncounted_steps(), expert_offload.uncounted_steps():
-        expert_offload.prepare_usage_count_step(*layout)
+        expert_offload.prepare_step(*layout)
         route(runner, ids.int())
     assert counters.tokens == {"prefill": 0, "decode": 0} and counters.steps == 0
     assert int(counters.counts(2).sum()) == 0
-    expert_offload.prepare_usage_count_step(*layout)
+    expert_offload.prepare_step(*layout)
     route(runner, ids.int())
     assert counters.tokens == {"prefill": 4, "decode": 1} and counters.steps == 1
     assert int(counters.counts(2).sum()) == 5 * K
@@ -708,9 +708,9 @@ def test_the_model_runner_builds_the_step_layout_only_when_used(vllm_cpu, monkey
 
     for var in ("VLLM_EXPERT_COUNT_FILE", "VLLM_EXPERT_ONE_TABLE"):
         monkeypatch.delenv(var, raising=False)
-    assert not expert_offload.step_hook_active()
+    assert not expert_offload.needs_step_layout()
     monkeypatch.setenv("VLLM_EXPERT_ONE_TABLE", "1")
-    assert expert_offload.step_hook_active()
+    assert expert_offload.needs_step_layout()
     monkeypatch.delenv("VLLM_EXPERT_ONE_TABLE")
     monkeypatch.setenv("VLLM_EXPERT_COUNT_FILE", "/tmp/counts.json")
-    assert expert_offload.step_hook_active()
+    assert expert_offload.needs_step_layout()

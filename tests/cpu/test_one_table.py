@@ -151,14 +151,14 @@ def test_each_merge_gives_torchs_free_blocks_back_before_it_allocates(loaded, mo
     layer's range. Without that, a GPU that the model nearly fills ran out of VRAM half
     way through the layers (five 16-layer engines on one H200: 5 of 16 layers fell back
     to two tables). The layer's record counts a tensor kept whole in VRAM as VRAM."""
-    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, processing, vmm
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, placement, vmm
 
     runner, setups = loaded
     module = runner.routed_experts
     events = []
     monkeypatch.setenv("VLLM_EXPERT_SWAP", "0")
-    monkeypatch.setattr(processing, "_one_table_refusal", lambda index: None)
-    monkeypatch.setattr(processing, "records", {})
+    monkeypatch.setattr(placement, "_one_table_refusal", lambda index: None)
+    monkeypatch.setattr(placement, "records", {})
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty the pool"))
 
     def allocate(rows, gpu_rows, row_shape, dtype, device):  # VRAM played by the CPU
@@ -172,12 +172,12 @@ def test_each_merge_gives_torchs_free_blocks_back_before_it_allocates(loaded, mo
     nbytes += sum(
         p.numel() * p.element_size() for p in module.host_experts.parameters(recurse=False)
     )
-    processing._merge_into_one_table(module, torch.device("cuda", 0))
+    placement._merge_into_one_table(module, torch.device("cuda", 0))
 
     assert events[0] == "empty the pool" and events.count("empty the pool") == 1
     assert events.count("allocate") >= 2 and setups  # merged: w13 and w2 at least
     assert "one_table" in module.__dict__
-    record = processing.records[module.layer_name]
+    record = placement.records[module.layer_name]
     assert record.path == "one table (VLLM_EXPERT_ONE_TABLE)"
     assert (record.gpu_bytes, record.host_bytes) == (nbytes, 0)
     assert (record.host_experts, record.moved_to_host) == (len(COLD), 0)
@@ -250,39 +250,39 @@ def test_a_refused_or_failed_merge_is_named_in_the_start_up_line(loaded, monkeyp
     """A layer asked to be one table that keeps two tables (the host-mapping probe refused,
     or its merge failed) runs as offload-02; the start-up line that says which path is
     active counts those layers apart and says why, once per reason."""
-    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, processing, vmm
+    from vllm.model_executor.layers.fused_moe.expert_offload import one_table, placement, vmm
 
     runner, _ = loaded
     module = runner.routed_experts
-    monkeypatch.setattr(processing, "records", {})
+    monkeypatch.setattr(placement, "records", {})
     split = "split experts (VLLM_EXPERT_COLD_FILE)"
-    processing.records[module.layer_name] = processing.LayerRecord(split, E, 3, 30, 90)
+    placement.records[module.layer_name] = placement.LayerRecord(split, E, 3, 30, 90)
     monkeypatch.setattr(
-        processing, "_one_table_refusal", lambda index: "the host-mapping probe failed: refused"
+        placement, "_one_table_refusal", lambda index: "the host-mapping probe failed: refused"
     )
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    processing._merge_into_one_table(module, torch.device("cuda", 0))
+    placement._merge_into_one_table(module, torch.device("cuda", 0))
     assert "one_table" not in module.__dict__
-    assert processing.records[module.layer_name].fallback.startswith("the host-mapping probe")
+    assert placement.records[module.layer_name].fallback.startswith("the host-mapping probe")
 
     def refuse(*args, **kwargs):
         raise vmm.VmmError("cuMemCreate[host] failed with an injected error")
 
-    monkeypatch.setattr(processing, "_one_table_refusal", lambda index: None)
+    monkeypatch.setattr(placement, "_one_table_refusal", lambda index: None)
     monkeypatch.setattr(one_table, "merge", refuse)
     monkeypatch.setattr(vmm, "granularity", lambda device: 2 << 20)
-    other = processing.LayerRecord(split, E, 3, 30, 90)
-    processing.records["other"] = other
+    other = placement.LayerRecord(split, E, 3, 30, 90)
+    placement.records["other"] = other
     module.layer_name, name = "other", module.layer_name
     try:
-        processing._merge_into_one_table(module, torch.device("cuda", 0))
+        placement._merge_into_one_table(module, torch.device("cuda", 0))
     finally:
         module.layer_name = name
     assert other.fallback == "cuMemCreate[host] failed with an injected error"
 
-    records = list(processing.records.values())
-    merged = processing.LayerRecord("one table (VLLM_EXPERT_ONE_TABLE)", E, 3, 30, 90)
-    line = processing._active_paths([*records, merged, merged])
+    records = list(placement.records.values())
+    merged = placement.LayerRecord("one table (VLLM_EXPERT_ONE_TABLE)", E, 3, 30, 90)
+    line = placement._active_paths([*records, merged, merged])
     assert line.count(";") == 2  # three groups: two reasons, and the merged layers
     assert "one table (VLLM_EXPERT_ONE_TABLE) in 2 layers" in line
     assert (
@@ -291,4 +291,4 @@ def test_a_refused_or_failed_merge_is_named_in_the_start_up_line(loaded, monkeyp
     ) in line
     assert "cuMemCreate[host] failed with an injected error in 1 layers" in line
     # one path, no fallback: the line as before
-    assert processing._active_paths([merged]) == "one table (VLLM_EXPERT_ONE_TABLE)"
+    assert placement._active_paths([merged]) == "one table (VLLM_EXPERT_ONE_TABLE)"

@@ -153,8 +153,11 @@ def _load_runner(num_experts, top_k, quant, weights, cold_ids, tmp_path, layer=1
 def _process(experts) -> None:
     """The repack after loading, through expert offload's hook as vLLM's loader calls it."""
     from vllm.model_executor.layers.fused_moe import expert_offload
+    from vllm.model_executor.model_loader.utils import device_loading_context
 
-    if not expert_offload.process_weights_after_loading(experts, torch.device("cuda")):
+    if not expert_offload.process_weights_after_loading(
+        experts, torch.device("cuda"), device_loading_context
+    ):
         experts.quant_method.process_weights_after_loading(experts)
     experts._ensure_moe_quant_config_init()
 

@@ -105,7 +105,7 @@ def _runner(layer, num_experts, top_k, quant, weights, cold_ids, tmp_path, share
 
 
 def _merge(runner) -> None:
-    """offload-03 as processing._merge_into_one_table does it (VMM ranges, host rows)."""
+    """offload-03 as placement._merge_into_one_table does it (VMM ranges, host rows)."""
     from vllm.model_executor.layers.fused_moe.expert_offload import one_table, vmm
 
     module = runner.routed_experts

@@ -21,6 +21,7 @@ import numpy as np
 from .counts import Counts
 
 GiB = 1 << 30
+MiB = 1 << 20
 
 
 class SelectionError(ValueError):

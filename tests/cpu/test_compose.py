@@ -21,6 +21,7 @@ from eodev import schemas
 from eotools import coldcheck
 from eotools import preflight as pf
 from eotools.envsubst import substitute
+from eotools.memory_plan.serving import read_compose
 from eotools.topologies import TOPOLOGIES
 
 FILES = sorted(pathlib.Path(__file__).resolve().parents[2].glob("compose/*.yml"))
@@ -156,10 +157,8 @@ def test_the_default_path_fits_each_card_and_staging_only_where_chunks_reach_it(
     compose file's prefill chunk reaches staging's 2048-token minimum; memory-plan, reading the
     file as Compose does, finds that every card fits with the default host budget, which is
     at least what it says each card needs (slots and swap counters included) plus a margin."""
-    from eotools import memory_plan as mp
-
     compose = repo_root / f"compose/{name}.yml"
-    settings = mp.read_compose(compose)
+    settings = read_compose(compose)
     chunk = int(settings["flags"]["--max-num-batched-tokens"])
     staging = settings["env"]["VLLM_EXPERT_PREFILL_STAGING"]
     assert staging == ("1" if chunk >= 2048 else "0")

@@ -14,7 +14,26 @@ import sys
 
 import numpy as np
 import pytest
-from eotools import memory_plan as mp
+from eotools.memory_plan.errors import PlanError
+from eotools.memory_plan.estimate import make_plan
+from eotools.memory_plan.model_shape import QWEN3_MOE, QWEN3_NEXT, ModelShape, load_shape
+from eotools.memory_plan.render import render_markdown
+from eotools.memory_plan.serving import Serving, usable_vram_bytes
+from eotools.memory_plan.weights import (
+    EMBED,
+    EXPERTS,
+    FINAL,
+    LAYER,
+    LM_HEAD,
+    MTP,
+    PLE_TABLE,
+    estimate_weights,
+    header_weights,
+    ngram_table_rows,
+    primes_above,
+    read_header,
+    safetensors_files,
+)
 from eotools.selection import GiB
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -27,8 +46,8 @@ MiB = 1 << 20
 EXPERT = 1280 * 2560 // 2 + 20 * 1280 * 2 + 2560 * 640 // 2 + 5 * 2560 * 2
 STAGE_EXPERTS = 24 * 512 * EXPERT  # 24 MoE layers per stage at PP=2
 PLE_ROWS = 320_001_536  # 16 primes >= 20,000,000, summed, padded to 128 (notes/qwen4exp.md)
-PLE_TABLE = PLE_ROWS * 160 * 2  # width 2560/16, BF16
-EMBED = 248_320 * 2560 * 2
+PLE_TABLE_BYTES = PLE_ROWS * 160 * 2  # width 2560/16, BF16
+EMBED_BYTES = 248_320 * 2560 * 2
 # KV: the GDN state (conv + SSM, BF16) is the largest Mamba page; vLLM's hybrid block is the
 # multiple of 16 tokens whose attention page (2 KiB per token: K+V, 2 heads of 256, BF16) holds
 # it, and every Mamba page is padded to that page.
@@ -43,11 +62,11 @@ GDN_ALIGN = 18 * 2 * PAGE  # 18 GDN layers per stage, 2 pages each in align mode
 PLE_STATE = 2 * PAGE  # the PLE short-conv state (184,320 B) padded likewise
 
 
-def serving(**kw) -> mp.Serving:
+def serving(**kw) -> Serving:
     base = dict(
         name="2x32GB",
         pp_size=2,
-        usable_vram_bytes=mp.usable_vram_bytes(32),
+        usable_vram_bytes=usable_vram_bytes(32),
         max_model_len=262_144,
         max_num_seqs=2,
         max_num_batched_tokens=2048,
@@ -57,40 +76,40 @@ def serving(**kw) -> mp.Serving:
         host_gib_per_card=3.0,
         layer_partition=None,
     )
-    return mp.Serving(**(base | kw))
+    return Serving(**(base | kw))
 
 
 @pytest.fixture(scope="module")
 def target():
-    shape = mp.load_shape(TARGET / "config.json")
-    return shape, mp.estimate_weights(shape)
+    shape = load_shape(TARGET / "config.json")
+    return shape, estimate_weights(shape)
 
 
 def test_ngram_table_rows_are_the_padded_sum_of_primes():
-    assert mp.primes_above(20_000_000, 3) == [20_000_003, 20_000_023, 20_000_033]
-    assert mp.ngram_table_rows(20_000_000, 16, 0, 128) == PLE_ROWS
+    assert primes_above(20_000_000, 3) == [20_000_003, 20_000_023, 20_000_033]
+    assert ngram_table_rows(20_000_000, 16, 0, 128) == PLE_ROWS
     assert PLE_ROWS * 160 == 51_200_245_760  # the "51B n-gram table"
     # a second PLE layer takes the next 16 primes: a different, larger table
-    assert mp.ngram_table_rows(20_000_000, 16, 1, 128) > PLE_ROWS
+    assert ngram_table_rows(20_000_000, 16, 1, 128) > PLE_ROWS
     # small case by hand: primes >= 10 are 11, 13; 24 padded to 8 -> 24, to 16 -> 32
-    assert mp.ngram_table_rows(10, 2, 0, 8) == 24
-    assert mp.ngram_table_rows(10, 2, 0, 16) == 32
-    assert mp.ngram_table_rows(10, 2, 1, 1) == 17 + 19
+    assert ngram_table_rows(10, 2, 0, 8) == 24
+    assert ngram_table_rows(10, 2, 0, 16) == 32
+    assert ngram_table_rows(10, 2, 1, 1) == 17 + 19
 
 
 def test_target_weights_from_the_config(target):
     shape, w = target
     assert w.expert_bytes == EXPERT
     assert round(EXPERT / MiB, 3) == 2.417  # SPEC section 1
-    assert sum(p[mp.EXPERTS] for p in w.per_layer) == 48 * 512 * EXPERT
+    assert sum(p[EXPERTS] for p in w.per_layer) == 48 * 512 * EXPERT
     assert round(48 * 512 * EXPERT / GiB, 2) == 58.01  # the article's routed-expert total
-    assert [p[mp.PLE_TABLE] for p in w.per_layer] == [PLE_TABLE] + [0] * 47
-    assert round(PLE_TABLE / GiB, 2) == 95.37
-    assert w.outside[mp.EMBED] == w.outside[mp.LM_HEAD] == EMBED
+    assert [p[PLE_TABLE] for p in w.per_layer] == [PLE_TABLE_BYTES] + [0] * 47
+    assert round(PLE_TABLE_BYTES / GiB, 2) == 95.37
+    assert w.outside[EMBED] == w.outside[LM_HEAD] == EMBED_BYTES
     # all weights a PP=1 engine loads: within 1 GiB of the article's 62.27 GiB (the config fields
     # the spec does not give are defaults, so the rest of the layers is an estimate)
-    loaded = sum(p[mp.EXPERTS] + p[mp.LAYER] for p in w.per_layer) + 2 * EMBED
-    loaded += w.outside[mp.FINAL]
+    loaded = sum(p[EXPERTS] + p[LAYER] for p in w.per_layer) + 2 * EMBED_BYTES
+    loaded += w.outside[FINAL]
     assert abs(loaded / GiB - 62.27) < 1.0
     assert "layer_types" in shape.defaulted  # said, not hidden
 
@@ -98,13 +117,13 @@ def test_target_weights_from_the_config(target):
 def test_target_on_2x32GB_as_the_spec_lists_it(target):
     """The SPEC settings: the PLE table in VRAM and 360 MB of KV do not start."""
     shape, w = target
-    plan = mp.make_plan(shape, w, serving())
+    plan = make_plan(shape, w, serving())
     r0, r1 = plan.cards
     assert (r0.layers, r1.layers) == ("0-23", "24-47")
     assert r0.experts == r1.experts == STAGE_EXPERTS
     # Qwen4Exp 0.29.0: embeddings and LM head on every rank; PLE layer 1 on rank 0
     assert "embeddings" in r1.holds and "LM head" in r0.holds
-    assert r0.ple_table == r0.ple_table_in_vram == PLE_TABLE and r1.ple_table == 0
+    assert r0.ple_table == r0.ple_table_in_vram == PLE_TABLE_BYTES and r1.ple_table == 0
     assert r0.host_experts == r1.host_experts == 3 * GiB // EXPERT * EXPERT
     for c in plan.cards:
         assert c.kv.qsa_kv == QSA_KV_262K and round(QSA_KV_262K / GiB, 3) == 3.001
@@ -127,23 +146,23 @@ def test_target_on_2x32GB_as_the_spec_lists_it(target):
     fixed = 6 * PAGE + GDN_ALIGN
     assert r1.max_context == (360_000_000 - fixed) // (6 * 2048 + 6 * 64) == 24_716
     assert not r0.fits and not plan.fits
-    text = mp.render_markdown(plan)
+    text = render_markdown(plan)
     assert "vLLM refuses to start" in text and "VLLM_PLE_TABLE=host" in text
 
 
 def test_target_on_2x32GB_with_the_table_on_host(target):
     shape, w = target
     s = serving(ple_table="host", kv_cache_memory_bytes=3_600_000_000, host_gib_per_card=7.0)
-    plan = mp.make_plan(shape, w, s)
+    plan = make_plan(shape, w, s)
     assert plan.fits
-    assert plan.host_ple_table == PLE_TABLE
+    assert plan.host_ple_table == PLE_TABLE_BYTES
     assert plan.host_experts == 2 * (7 * GiB // EXPERT * EXPERT)
-    assert plan.host_total == plan.host_experts + PLE_TABLE + (2 + 3 * 2) * GiB
+    assert plan.host_total == plan.host_experts + PLE_TABLE_BYTES + (2 + 3 * 2) * GiB
     for c in plan.cards:
         assert c.ple_table_in_vram == 0 and c.kv_fits and c.max_context >= 262_144
         assert c.vram <= c.usable == int(31.4 * GiB)
     # 3 GiB per card is not enough once one 262,144-token request's K/V is in VRAM
-    short = mp.make_plan(shape, w, serving(ple_table="host", kv_cache_memory_bytes=3_600_000_000))
+    short = make_plan(shape, w, serving(ple_table="host", kv_cache_memory_bytes=3_600_000_000))
     assert not short.fits and all(6 < c.min_host_gib < 7 for c in short.cards)
 
 
@@ -154,15 +173,15 @@ def test_prefill_staging_adds_two_slots_of_the_largest_layers_host_experts(targe
     host."""
     shape, w = target
     base = dict(ple_table="host", kv_cache_memory_bytes=3_600_000_000, host_gib_per_card=7.0)
-    off = mp.make_plan(shape, w, serving(**base))
-    on = mp.make_plan(shape, w, serving(**base, prefill_staging=True))
+    off = make_plan(shape, w, serving(**base))
+    on = make_plan(shape, w, serving(**base, prefill_staging=True))
     assert 7 * GiB // EXPERT == 2965 and -(-2965 // 24) == 124
     for a, b in zip(off.cards, on.cards, strict=True):
         assert a.staging == 0 and b.staging == 2 * 124 * EXPERT == 628_531_200
         assert b.vram - a.vram == 628_531_200
     assert off.fits and not on.fits
-    assert "+ prefill staging slots | 0.59 | 0.59 |" in mp.render_markdown(on)
-    assert "prefill staging" not in mp.render_markdown(off)
+    assert "+ prefill staging slots | 0.59 | 0.59 |" in render_markdown(on)
+    assert "prefill staging" not in render_markdown(off)
     # the compose file's own budget (7.6 GiB) pays for the slots; 7 GiB does not
     r = run(str(TARGET), "--topology", "2x32GB", "--json", env={"HOST_BUDGET_GIB": "7"})
     doc = json.loads(r.stdout)
@@ -173,14 +192,14 @@ def test_prefill_staging_adds_two_slots_of_the_largest_layers_host_experts(targe
 
 def test_layer_partition_moves_layers_and_what_they_hold(target):
     shape, w = target
-    plan = mp.make_plan(shape, w, serving(layer_partition=[26, 22], ple_table="host"))
+    plan = make_plan(shape, w, serving(layer_partition=[26, 22], ple_table="host"))
     r0, r1 = plan.cards
     assert (r0.layers, r1.layers) == ("0-25", "26-47")
     assert r0.experts == 26 * 512 * EXPERT and r1.experts == 22 * 512 * EXPERT
     # layers 3,7,...,23 on rank 0 (6 QSA layers), 27,...,47 on rank 1 (6)
     assert r0.kv.qsa_kv == r1.kv.qsa_kv
-    with pytest.raises(mp.PlanError, match="does not split 48 layers"):
-        mp.make_plan(shape, w, serving(layer_partition=[20, 20]))
+    with pytest.raises(PlanError, match="does not split 48 layers"):
+        make_plan(shape, w, serving(layer_partition=[20, 20]))
 
 
 # --- a small checkpoint written by the test ---------------------------------------------------
@@ -257,7 +276,7 @@ def write_small_checkpoint(path: pathlib.Path) -> dict[str, int]:
         t[f"{lm}.layers.{layer}.mlp.gate.weight"] = np.zeros((8, 256), np.float16)
         t[f"{lm}.layers.{layer}.input_layernorm.weight"] = np.zeros((256,), np.float16)
         if layer in (0, 2):  # ple_layer_ids 1 and 3: rows 101+103+107+109 -> 424 (0) etc.
-            rows = mp.ngram_table_rows(100, 4, layer // 2, 8)
+            rows = ngram_table_rows(100, 4, layer // 2, 8)
             t[f"{lm}.layers.{layer}.ple.ple_embedding.ngram_embedding.weight"] = np.zeros(
                 (rows, 64), np.float16
             )
@@ -279,27 +298,27 @@ def write_small_checkpoint(path: pathlib.Path) -> dict[str, int]:
 def test_small_checkpoint_sizes_come_from_the_headers(tmp_path):
     model = tmp_path / "small"
     want = write_small_checkpoint(model)
-    shape = mp.load_shape(model / "config.json")
-    w = mp.header_weights(shape, mp.safetensors_files(model))
+    shape = load_shape(model / "config.json")
+    w = header_weights(shape, safetensors_files(model))
     assert w.source == "safetensors headers (2 files)"
     assert w.expert_bytes == SMALL_EXPERT
-    assert [p[mp.EXPERTS] for p in w.per_layer] == [8 * SMALL_EXPERT] * 4
-    assert [p[mp.PLE_TABLE] for p in w.per_layer] == [want["ple0"], 0, want["ple2"], 0]
+    assert [p[EXPERTS] for p in w.per_layer] == [8 * SMALL_EXPERT] * 4
+    assert [p[PLE_TABLE] for p in w.per_layer] == [want["ple0"], 0, want["ple2"], 0]
     assert want["ple0"] == (101 + 103 + 107 + 109 + 4) * 64 * 2  # 424 rows, padded to 8
-    assert w.per_layer[1][mp.LAYER] == want["layer1"]  # router gate + norm
-    assert w.outside[mp.EMBED] == w.outside[mp.LM_HEAD] == 512 * 256 * 2
-    assert w.outside[mp.MTP] == 32 * 128 * 4 and w.outside[mp.FINAL] == 256 * 2
+    assert w.per_layer[1][LAYER] == want["layer1"]  # router gate + norm
+    assert w.outside[EMBED] == w.outside[LM_HEAD] == 512 * 256 * 2
+    assert w.outside[MTP] == 32 * 128 * 4 and w.outside[FINAL] == 256 * 2
     # the config-only estimate sizes the same expert and the same tables
-    est = mp.estimate_weights(shape)
+    est = estimate_weights(shape)
     assert est.expert_bytes == SMALL_EXPERT
-    assert [p[mp.PLE_TABLE] for p in est.per_layer] == [p[mp.PLE_TABLE] for p in w.per_layer]
+    assert [p[PLE_TABLE] for p in est.per_layer] == [p[PLE_TABLE] for p in w.per_layer]
 
 
 def test_small_checkpoint_plan_over_two_cards(tmp_path):
     model = tmp_path / "small"
     want = write_small_checkpoint(model)
-    shape = mp.load_shape(model / "config.json")
-    w = mp.header_weights(shape, mp.safetensors_files(model))
+    shape = load_shape(model / "config.json")
+    w = header_weights(shape, safetensors_files(model))
     s = serving(
         usable_vram_bytes=3 * GiB,
         max_model_len=4096,
@@ -307,7 +326,7 @@ def test_small_checkpoint_plan_over_two_cards(tmp_path):
         host_gib_per_card=3 * SMALL_EXPERT / GiB,
         ple_table="host",
     )
-    plan = mp.make_plan(shape, w, s)
+    plan = make_plan(shape, w, s)
     r0, r1 = plan.cards
     assert r0.host_experts == r1.host_experts == 3 * SMALL_EXPERT
     assert plan.host_ple_table == want["ple0"] + want["ple2"]
@@ -320,7 +339,7 @@ def test_small_checkpoint_plan_over_two_cards(tmp_path):
     assert r0.kv_budget == 2 * r0.kv.one_request  # no --kv-cache-memory-bytes: 2 requests
     assert plan.fits  # 1.96 GiB of allowance at chunk 2048 dominates a model this small
     assert any("no --kv-cache-memory-bytes" in n for n in plan.notes)
-    assert not mp.make_plan(shape, w, serving(usable_vram_bytes=GiB)).fits
+    assert not make_plan(shape, w, serving(usable_vram_bytes=GiB)).fits
 
 
 def test_headers_only_no_tensor_data_is_read(tmp_path):
@@ -333,8 +352,8 @@ def test_headers_only_no_tensor_data_is_read(tmp_path):
     name = "model.language_model.layers.0.mlp.experts.0.gate_proj.qweight"
     header = json.dumps({name: {"dtype": "I32", "shape": [n // 4], "data_offsets": [0, n]}})
     (model / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode())
-    w = mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
-    assert w.per_layer[0][mp.EXPERTS] == n and w.expert_bytes == n
+    w = header_weights(load_shape(model / "config.json"), safetensors_files(model))
+    assert w.per_layer[0][EXPERTS] == n and w.expert_bytes == n
 
 
 def test_mixed_folders_and_bad_files_are_named(tmp_path):
@@ -342,16 +361,16 @@ def test_mixed_folders_and_bad_files_are_named(tmp_path):
     write_small_checkpoint(model)
     cfg = dict(SMALL, num_hidden_layers=2, layer_types=SMALL["layer_types"][:2])
     (model / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(mp.PlanError, match="mixes two models"):
-        mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
+    with pytest.raises(PlanError, match="mixes two models"):
+        header_weights(load_shape(model / "config.json"), safetensors_files(model))
     # with 2 MTP layers, layers 2 and 3 are MTP weights stored after the last layer
     (model / "config.json").write_text(json.dumps(dict(cfg, mtp_num_hidden_layers=2)))
-    w = mp.header_weights(mp.load_shape(model / "config.json"), mp.safetensors_files(model))
-    assert w.outside[mp.MTP] > 2 * 8 * SMALL_EXPERT and len(w.per_layer) == 2
+    w = header_weights(load_shape(model / "config.json"), safetensors_files(model))
+    assert w.outside[MTP] > 2 * 8 * SMALL_EXPERT and len(w.per_layer) == 2
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"abc")
-    with pytest.raises(mp.PlanError, match="not a safetensors file"):
-        mp.read_header(bad)
+    with pytest.raises(PlanError, match="not a safetensors file"):
+        read_header(bad)
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -444,8 +463,8 @@ def test_one_table_counts_its_swap_counters_and_extra_host_experts(target):
     path runs."""
     shape, w = target
     base = dict(host_gib_per_card=7.6, prefill_staging=True)
-    off = mp.make_plan(shape, w, serving(**base))
-    on = mp.make_plan(shape, w, serving(**base, one_table=True))
+    off = make_plan(shape, w, serving(**base))
+    on = make_plan(shape, w, serving(**base, one_table=True))
     for a, b in zip(off.cards, on.cards, strict=True):
         assert (a.swap, b.swap) == (0, 24 * 512 * 12)
         assert b.vram - a.vram == b.swap
@@ -457,7 +476,7 @@ def test_one_table_counts_its_swap_counters_and_extra_host_experts(target):
 
 def test_staging_below_its_minimum_chunk_is_named_as_buying_nothing(target):
     shape, w = target
-    small = mp.make_plan(
+    small = make_plan(
         shape,
         w,
         serving(host_gib_per_card=14, prefill_staging=True, max_num_batched_tokens=512),
@@ -520,9 +539,9 @@ QWEN3_NEXT_80B = {
 }
 
 
-def shape_of(tmp_path: pathlib.Path, cfg: dict) -> mp.ModelShape:
+def shape_of(tmp_path: pathlib.Path, cfg: dict) -> ModelShape:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return mp.load_shape(tmp_path / "config.json")
+    return load_shape(tmp_path / "config.json")
 
 
 def test_qwen3_30b_a3b_is_sized_as_qwen3_moe(tmp_path):
@@ -534,16 +553,16 @@ def test_qwen3_30b_a3b_is_sized_as_qwen3_moe(tmp_path):
       (30.5B parameters in BF16);
     - KV per token and layer 2 x 4 x 128 x 2 = 2,048 B: 49,152 B per rank at PP=2."""
     shape = shape_of(tmp_path, QWEN3_30B_A3B)
-    assert shape.family == mp.QWEN3_MOE and set(shape.layer_types) == {"full_attention"}
+    assert shape.family == QWEN3_MOE and set(shape.layer_types) == {"full_attention"}
     assert shape.defaulted == []  # nothing of Qwen3-Next's or Qwen4Exp's is missing
-    w = mp.estimate_weights(shape)
+    w = estimate_weights(shape)
     assert w.expert_bytes == 9_437_184
-    assert all(p[mp.EXPERTS] == 128 * 9_437_184 for p in w.per_layer)
-    assert all(p[mp.LAYER] == 38_281_728 for p in w.per_layer)
-    total = sum(p[mp.EXPERTS] + p[mp.LAYER] for p in w.per_layer) + sum(w.outside.values())
+    assert all(p[EXPERTS] == 128 * 9_437_184 for p in w.per_layer)
+    assert all(p[LAYER] == 38_281_728 for p in w.per_layer)
+    total = sum(p[EXPERTS] + p[LAYER] for p in w.per_layer) + sum(w.outside.values())
     assert total == 61_064_245_248
     s = serving(max_model_len=32_768, kv_cache_memory_bytes=None, host_gib_per_card=0)
-    plan = mp.make_plan(shape, w, s)
+    plan = make_plan(shape, w, s)
     for card in plan.cards:
         assert card.kv.per_token == 49_152 and card.kv.gdn_state == card.kv.ple_state == 0
         assert card.kv.one_request == 32_768 * 49_152
@@ -556,13 +575,13 @@ def test_qwen3_235b_a22b_is_sized_as_qwen3_moe(tmp_path):
     its experts 75,497,472 + 67,108,864 + 512 + 16,384 + 1,048,576 = 143,671,808 B; all weights
     470,187,269,120 B (235B parameters); KV 47 x 2,048 = 96,256 B per token per rank at PP=2."""
     shape = shape_of(tmp_path, QWEN3_235B_A22B)
-    w = mp.estimate_weights(shape)
+    w = estimate_weights(shape)
     assert w.expert_bytes == 37_748_736
-    assert w.per_layer[0][mp.LAYER] == 143_671_808
-    total = sum(p[mp.EXPERTS] + p[mp.LAYER] for p in w.per_layer) + sum(w.outside.values())
+    assert w.per_layer[0][LAYER] == 143_671_808
+    total = sum(p[EXPERTS] + p[LAYER] for p in w.per_layer) + sum(w.outside.values())
     assert total == 470_187_269_120
     s = serving(max_model_len=8192, kv_cache_memory_bytes=None, host_gib_per_card=0)
-    assert [c.kv.per_token for c in mp.make_plan(shape, w, s).cards] == [96_256, 96_256]
+    assert [c.kv.per_token for c in make_plan(shape, w, s).cards] == [96_256, 96_256]
 
 
 def test_qwen3_next_80b_keeps_its_hybrid_layers(tmp_path):
@@ -573,16 +592,16 @@ def test_qwen3_next_80b_keeps_its_hybrid_layers(tmp_path):
     mode: 40,108,032 B. An expert 3 x 2048 x 512 x 2 = 6,291,456 B, 512 per layer; one MTP
     layer (not loaded)."""
     shape = shape_of(tmp_path, QWEN3_NEXT_80B)
-    assert shape.family == mp.QWEN3_NEXT and shape.defaulted == []
+    assert shape.family == QWEN3_NEXT and shape.defaulted == []
     assert (
         shape.layer_types.count("full_attention") == 12 and shape.layer_types[3] == "full_attention"
     )
     assert shape.hc_count == 0 and shape.ple_layer_ids == [] and shape.indexer_n_heads is None
-    w = mp.estimate_weights(shape)
-    assert w.expert_bytes == 6_291_456 and w.per_layer[0][mp.EXPERTS] == 512 * 6_291_456
-    assert w.outside[mp.MTP] > 0
+    w = estimate_weights(shape)
+    assert w.expert_bytes == 6_291_456 and w.per_layer[0][EXPERTS] == 512 * 6_291_456
+    assert w.outside[MTP] > 0
     s = serving(max_model_len=65_536, kv_cache_memory_bytes=None, host_gib_per_card=0)
-    for card in mp.make_plan(shape, w, s).cards:
+    for card in make_plan(shape, w, s).cards:
         assert card.kv.per_token == 12_288
         assert card.kv.gdn_state == 18 * 2 * 1_114_112 == 40_108_032
 
@@ -592,16 +611,16 @@ def test_a_tiny_qwen3_moe_model_holds_what_its_kv_holds(tmp_path):
     (before: "1,000,000,000 tokens")."""
     cfg = QWEN3_30B_A3B | {"num_hidden_layers": 2, "hidden_size": 256, "head_dim": 64}
     shape = shape_of(tmp_path, cfg)
-    w = mp.estimate_weights(shape)
+    w = estimate_weights(shape)
     s = serving(pp_size=1, max_model_len=4096, kv_cache_memory_bytes=1 << 30, host_gib_per_card=0)
-    [card] = mp.make_plan(shape, w, s).cards
+    [card] = make_plan(shape, w, s).cards
     assert card.kv.per_token == 2 * 2 * 4 * 64 * 2
     assert card.max_context == (1 << 30) // 2048 == 524_288
 
 
 def test_an_architecture_it_cannot_size_is_refused_with_what_it_knows(tmp_path):
     cfg = QWEN3_30B_A3B | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
-    with pytest.raises(mp.PlanError, match="cannot size MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+    with pytest.raises(PlanError, match="cannot size MixtralForCausalLM.*Qwen3MoeForCausalLM"):
         shape_of(tmp_path, cfg)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))

@@ -12,8 +12,11 @@ import struct
 
 import numpy as np
 import pytest
-from eotools import memory_plan as mp
 from eotools import preflight as pf
+from eotools.memory_plan.estimate import Plan, make_plan
+from eotools.memory_plan.model_shape import load_shape
+from eotools.memory_plan.serving import Serving, usable_vram_bytes
+from eotools.memory_plan.weights import estimate_weights
 from eotools.ple_table import choose_placement, page_cache_wanted, ple_tables
 from test_preflight import only, setup_for
 from test_preflight_ple import TARGET_BYTES, qwen4exp
@@ -26,12 +29,12 @@ TARGET = REPO / "tests" / "cpu" / "data" / "qwen3.8-flash-next-int4"
 # --- memory-plan ---------------------------------------------------------------------------
 
 
-def plan(ple_table: str, **kw) -> mp.Plan:
-    shape = mp.load_shape(TARGET / "config.json")
-    serving = mp.Serving(
+def plan(ple_table: str, **kw) -> Plan:
+    shape = load_shape(TARGET / "config.json")
+    serving = Serving(
         name="2x32GB",
         pp_size=2,
-        usable_vram_bytes=mp.usable_vram_bytes(32),
+        usable_vram_bytes=usable_vram_bytes(32),
         max_model_len=kw.get("max_model_len", 262_144),
         max_num_seqs=2,
         max_num_batched_tokens=2048,
@@ -43,7 +46,7 @@ def plan(ple_table: str, **kw) -> mp.Plan:
         prefill_staging=True,
         one_table=True,
     )
-    return mp.make_plan(shape, mp.estimate_weights(shape), serving, model="target")
+    return make_plan(shape, estimate_weights(shape), serving, model="target")
 
 
 def test_memory_plan_counts_the_table_pinned_or_not_by_hand():

@@ -52,8 +52,8 @@ def module_imports(path: pathlib.Path) -> list[tuple[str, bool]]:
 
 def test_shipped_modules_never_import_the_development_tools():
     found = [
-        (p.name, mod)
-        for p in SHIPPED.glob("*.py")
+        (str(p.relative_to(SHIPPED)), mod)
+        for p in SHIPPED.rglob("*.py")
         for mod, _ in module_imports(p)
         if mod.split(".")[0] == "eodev"
     ]
@@ -71,9 +71,14 @@ def context(tmp_path_factory) -> pathlib.Path:
 
 
 def test_shipped_modules_need_no_torch_vllm_or_eodev_at_import(context):
-    """Every module imports from the build context (eotools beside vllm.pin, no eodev) with
-    torch, vLLM, transformers, tokenizers and eodev made unimportable."""
-    names = sorted(p.stem for p in SHIPPED.glob("*.py") if p.stem != "__init__")
+    """Every module, those of subpackages included, imports from the build context (eotools
+    beside vllm.pin, no eodev) with torch, vLLM, transformers, tokenizers and eodev made
+    unimportable."""
+    names = sorted(
+        ".".join(p.relative_to(SHIPPED).with_suffix("").parts)
+        for p in SHIPPED.rglob("*.py")
+        if p.stem != "__init__"
+    )
     code = BLOCK.format(blocked=BLOCKED) + "".join(f"import eotools.{n}\n" for n in names)
     r = run_python(code, context / "scripts")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -2,8 +2,9 @@
 """The hardware each per-topology image and compose file is made for (compose/README.md).
 
 The preflight checks the GPUs it finds against the topology named by EO_TOPOLOGY (the image's
-TOPOLOGY build argument); the serving settings themselves live in compose/<name>.yml, and
-tests/cpu/test_compose.py checks that each compose file asks for the GPUs listed here.
+TOPOLOGY build argument); the serving settings themselves live in compose/<name>.yml (with
+compose/base.yml, which the Qwen3.8 files extend), and tests/cpu/test_compose.py checks that
+each compose file asks for the GPUs listed here.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The compose files: valid against the Compose Specification (the pinned schema of
-eodev/schemas.py), the reference serving settings (the 2x32GB article), what every service
-needs (GPUs, shared memory, page-locking, health check), and the tiny service's first-start
-model."""
+eodev/schemas.py), the topology files' shared base, the reference serving settings (the 2x32GB
+article), what every service needs (GPUs, shared memory, page-locking, health check), and the
+tiny service's first-start model. Each service is read as Compose starts it: with the service
+it extends merged in (eotools/compose.py)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,17 @@ import time
 import pytest
 from eodev import schemas
 from eotools import coldcheck
+from eotools import compose as cf
 from eotools import preflight as pf
 from eotools.envsubst import substitute
 from eotools.memory_plan.serving import read_compose
 from eotools.topologies import TOPOLOGIES
 
-FILES = sorted(pathlib.Path(__file__).resolve().parents[2].glob("compose/*.yml"))
+COMPOSE = pathlib.Path(__file__).resolve().parents[2] / "compose"
+# what the topology files extend; not a file to start on its own
+BASE = COMPOSE / "base.yml"
+FILES = sorted(p for p in COMPOSE.glob("*.yml") if p != BASE)
+QWEN = ["2x32GB", "3x24GB", "2x24GB"]  # the files that extend BASE
 
 # the 2x32GB article's serving settings, exactly as it lists them
 SPEC_2X32GB_TEXT = (
@@ -58,9 +64,8 @@ def compose_schema() -> dict:
 
 
 def service(path: pathlib.Path) -> dict:
-    doc = schemas.load_yaml(path)
-    [svc] = doc["services"].values()
-    return svc
+    """The file's one service as Compose starts it: `extends` merged in."""
+    return cf.load_service(path)
 
 
 def flags(command: list[str], environ: dict[str, str] | None = None) -> dict[str, str | None]:
@@ -80,13 +85,15 @@ def defaults(settings: dict[str, str]) -> dict[str, str]:
     return {k: substitute(v, {}) for k, v in settings.items()}
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [*FILES, BASE], ids=lambda p: p.name)
 def test_compose_file_is_valid(path, compose_schema):
+    # the file as written, and its service with the base merged in
     assert schemas.validate(schemas.load_yaml(path), compose_schema) == []
+    assert schemas.validate(cf.load_document(path), compose_schema) == []
 
 
 def test_the_schema_catches_mistakes(compose_schema):
-    good = schemas.load_yaml(FILES[0])
+    good = cf.load_document(FILES[0])
     mistakes = {
         "services.vllm.ipc": lambda s: s.update(ipc=["host"]),
         "services.vllm": lambda s: s.update(gpu_count=2),  # not a compose key
@@ -115,6 +122,153 @@ def test_validate_schemas_cli(repo_root, tmp_path):
     assert r.returncode == 1
     assert "compose/good.yml: valid" in r.stdout
     assert "compose/bad.yml: not valid" in r.stderr and "services.vllm.shm_size" in r.stderr
+
+
+# --- the shared base ---------------------------------------------------------------------
+
+# what a topology file sets itself; the rest of its service is base.yml's
+TOPOLOGY_KEYS = {"extends", "build", "image", "command", "environment", "ulimits", "volumes"}
+TOPOLOGY_KEYS |= {"deploy"}
+TOPOLOGY_ENV = {"EO_HOST_BUDGET_GIB", "VLLM_EXPERT_PREFILL_STAGING"}
+# the service each topology starts, base merged in: its keys and its environment's
+SERVICE_KEYS = TOPOLOGY_KEYS - {"extends"} | {"ports", "shm_size", "restart", "init"}
+SERVICE_KEYS |= {"security_opt", "stop_grace_period", "healthcheck"}
+SERVICE_ENV = TOPOLOGY_ENV | {"VLLM_EXPERT_COLD_FILE", "EO_STATE_DIR", "VLLM_PLE_TABLE"}
+SERVICE_ENV |= {"VLLM_EXPERT_ONE_TABLE", "VLLM_API_KEY", "EO_ALLOW_NO_API_KEY", "HF_HUB_OFFLINE"}
+# where each topology's service differs from 2x32GB's
+DIFFERS_FROM_2X32GB = {
+    "2x32GB": set(),
+    "3x24GB": {"build.args.TOPOLOGY", "image", "command", "environment.EO_HOST_BUDGET_GIB"}
+    | {"deploy.resources.reservations.devices"},
+    "2x24GB": {"build.args.TOPOLOGY", "image", "command", "environment.EO_HOST_BUDGET_GIB"}
+    | {"environment.VLLM_EXPERT_PREFILL_STAGING"},
+}
+
+
+def differences(a, b, where: tuple[str, ...] = ()) -> set[str]:
+    """The dotted keys where two services differ (a sequence counts as one value)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = a.keys() | b.keys()
+        return set().union(*(differences(a.get(k), b.get(k), (*where, str(k))) for k in keys))
+    return set() if a == b else {".".join(where)}
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_each_topology_extends_the_base_and_sets_what_differs(name):
+    path = COMPOSE / f"{name}.yml"
+    [own] = schemas.load_yaml(path)["services"].values()
+    [base] = schemas.load_yaml(BASE)["services"].values()
+    assert own["extends"] == {"file": "base.yml", "service": "vllm"}
+    assert own.keys() == TOPOLOGY_KEYS and own["environment"].keys() == TOPOLOGY_ENV
+    # only the environment is in both files, with keys of its own in each: Compose and
+    # podman-compose merge every other key set twice in ways of their own
+    assert own.keys() & base.keys() == {"environment"}
+    assert not own["environment"].keys() & base["environment"].keys()
+    svc = service(path)
+    assert svc.keys() == SERVICE_KEYS and svc["environment"].keys() == SERVICE_ENV
+    assert svc["healthcheck"] == base["healthcheck"] and svc["ports"] == base["ports"]
+    assert svc["deploy"] == own["deploy"] and svc["command"] == own["command"]
+    assert differences(service(COMPOSE / "2x32GB.yml"), svc) == DIFFERS_FROM_2X32GB[name]
+
+
+def test_the_reader_merges_an_extended_service_as_compose_does(tmp_path):
+    base = tmp_path / "base.yml"
+    base.write_text(
+        "services:\n  s:\n    command: [a, b]\n    environment: {A: '1', B: '2'}\n"
+        "    healthcheck: {test: [CMD, x], interval: 30s}\n    ports: ['1:1']\n"
+        "    restart: always\n"
+    )
+    top = tmp_path / "top.yml"
+    top.write_text(
+        "services:\n  t:\n    extends: {file: base.yml, service: s}\n    command: [c]\n"
+        "    environment: {B: '3', C: '4'}\n    healthcheck: {test: [CMD, y]}\n"
+        "    restart: 'no'\n    image: i\n"
+    )
+    assert cf.load_service(top) == {
+        "command": ["c"],
+        "environment": {"A": "1", "B": "3", "C": "4"},
+        "healthcheck": {"test": ["CMD", "y"], "interval": "30s"},
+        "ports": ["1:1"],
+        "restart": "no",
+        "image": "i",
+    }
+    assert cf.read_service(top, {}).environment == {"A": "1", "B": "3", "C": "4"}
+    # what Compose implementations merge each their own way, or refuse
+    refused = {
+        "ports: ['2:2']": "services.t.ports is set both here and in the service it extends",
+        "environment: [B=3]": "services.t.environment is set both here",
+    }
+    for line, message in refused.items():
+        top.write_text(
+            f"services:\n  t:\n    extends: {{file: base.yml, service: s}}\n    {line}\n"
+        )
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cf.load_service(top)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub/base.yml").write_text(base.read_text())
+    top.write_text("services:\n  t:\n    extends: {file: sub/base.yml, service: s}\n")
+    with pytest.raises(ValueError, match="not in the same folder"):
+        cf.load_service(top)
+    base.write_text("services:\n  s:\n    depends_on: [db]\n  db:\n    image: d\n")
+    top.write_text("services:\n  t:\n    extends: {file: base.yml, service: s}\n")
+    with pytest.raises(ValueError, match="depends_on: a service with them cannot be extended"):
+        cf.load_service(top)
+    base.write_text("services:\n  s:\n    extends: {file: top.yml, service: t}\n")
+    with pytest.raises(ValueError, match="extends itself"):
+        cf.load_service(top)
+
+
+def podman_compose_dry_run(repo_root, tmp_path, files: list[str], command: list[str]) -> str:
+    """What podman-compose (the CI's Compose implementation) would run, from its dry run: a
+    stand-in podman answers its queries, nothing is created."""
+    exe = pathlib.Path(sys.executable).with_name("podman-compose")
+    assert exe.exists(), "podman-compose is missing from the test environment (scripts/dev-env)"
+    podman = tmp_path / "podman"
+    podman.write_text("#!/bin/sh\necho '[]'\n")
+    podman.chmod(0o755)
+    key = tmp_path / "api-key"
+    key.write_text("k\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "API_KEY_FILE": str(key)}
+    argv = [str(exe), "--podman-path", str(podman), "--verbose", "--dry-run"]
+    argv += [a for f in files for a in ("-f", f)] + command
+    r = subprocess.run(argv, cwd=repo_root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("no_gpu", [False, True], ids=["alone", "no-gpu+secret"])
+@pytest.mark.parametrize("name", QWEN)
+def test_podman_compose_starts_what_the_reader_reads(repo_root, tmp_path, name, no_gpu):
+    """podman-compose 1.6 resolves `extends` itself, with merge rules and relative paths of its
+    own: from the repository's root, as compose/README.md runs it, the container it would create
+    has the service this reader reads (the base merged in), with the overrides applied."""
+    files = [f"compose/{name}.yml"]
+    if no_gpu:
+        files += ["compose/overrides/no-gpu.yml", "compose/overrides/api-key-secret.yml"]
+    svc = service(COMPOSE / f"{name}.yml")
+    out = podman_compose_dry_run(repo_root, tmp_path, files, ["up", "--no-build", "-d"])
+    [create] = [line for line in out.splitlines() if "/podman create --name=" in line]
+    env = {f"{k}={substitute(v, {})}" for k, v in svc["environment"].items()}
+    assert set(re.findall(r" -e (\S*)", create)) == env
+    mounts = [substitute(v, {}).split(":") for v in svc["volumes"]]
+    expected = [":".join([str((COMPOSE / s).resolve()), *rest]) for s, *rest in mounts]
+    assert re.findall(r" -v (\S+)", create) == expected
+    assert " -p 127.0.0.1:8000:8000 --shm-size 2gb " in create and " --init " in create
+    assert " --health-start-period 30m " in create
+    assert "/health" in create and "no-new-privileges:true" in create
+    command = [substitute(a, {}) for a in svc["command"]]
+    assert create.endswith(" ".join([svc["image"], *command]))
+    # the override resets what a machine without a GPU cannot do, the base's keys included
+    assert (" --ulimit memlock=-1 " in create) is not no_gpu
+    assert (" --health-startup-interval 15s " in create) is not no_gpu
+    assert (" --device nvidia.com/gpu=" in create) is not no_gpu
+    assert (" --restart no " if no_gpu else " --restart on-failure:3 ") in create
+    assert (":/run/secrets/vllm_api_key:ro" in create) is no_gpu
+    out = podman_compose_dry_run(repo_root, tmp_path, files, ["build"])
+    [build] = [line for line in out.splitlines() if "/podman build -f " in line]
+    args = " ".join(f"--build-arg {k}={substitute(v, {})}" for k, v in svc["build"]["args"].items())
+    assert f" build -f {repo_root}/Dockerfile -t {svc['image']} {args}" in build
+    assert build.endswith(f" {repo_root}")  # the context: the repository, as `..` in compose/
 
 
 def test_2x32GB_serves_the_spec_settings(repo_root):
@@ -151,7 +305,7 @@ def test_other_topologies_change_only_what_the_spec_says(repo_root, name):
     assert substitute(env["VLLM_EXPERT_ONE_TABLE"], {}) == "1"
 
 
-@pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])
+@pytest.mark.parametrize("name", QWEN)
 def test_the_default_path_fits_each_card_and_staging_only_where_chunks_reach_it(repo_root, name):
     """The defaults start one table with the runtime swap, and prefill staging only where the
     compose file's prefill chunk reaches staging's 2048-token minimum; memory-plan, reading the
@@ -187,7 +341,7 @@ def run_memory_plan(repo_root: pathlib.Path, *args: str) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout) if r.stdout.startswith("{") else r.stderr
 
 
-@pytest.mark.parametrize("name", ["2x32GB", "3x24GB", "2x24GB"])
+@pytest.mark.parametrize("name", QWEN)
 def test_qwen4exp_services_keep_the_ple_table_off_the_gpu(repo_root, name):
     svc = service(repo_root / f"compose/{name}.yml")
     env = svc["environment"]

@@ -52,15 +52,28 @@ def _merge(base: Any, over: Any, where: tuple[str, ...], path: pathlib.Path) -> 
     )
 
 
+def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
+    """The file's YAML mapping; ValueError for text that is not YAML or not a mapping."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"not a YAML compose file ({e.__class__.__name__}{where})") from None
+    if not isinstance(doc, dict):
+        raise ValueError("not a compose file: its top level is not a mapping")
+    return doc
+
+
 def _resolve(
     path: pathlib.Path, name: str, seen: tuple[tuple[pathlib.Path, str], ...] = ()
 ) -> dict[str, Any]:
-    import yaml
-
     key = (path.resolve(), name)
     if key in seen:
         raise ValueError(f"{path}: services.{name} extends itself (through {len(seen)} files)")
-    doc = yaml.safe_load(path.read_text()) or {}
+    doc = _read_yaml(path)
     services = doc.get("services") or {}
     if name not in services:
         raise ValueError(f"{path}: no service {name!r}")
@@ -87,10 +100,9 @@ def _resolve(
 
 def load_document(path: pathlib.Path) -> dict[str, Any]:
     """The compose file's document with each service's `extends` merged in, its
-    ${VAR:-default} as written. Raises OSError, yaml.YAMLError, or ValueError."""
-    import yaml
-
-    doc = yaml.safe_load(path.read_text()) or {}
+    ${VAR:-default} as written. Raises OSError, or ValueError (also for text that is not
+    YAML, or not a mapping)."""
+    doc = _read_yaml(path)
     services = doc.get("services") or {}
     return {**doc, "services": {name: _resolve(path, name) for name in services}}
 
@@ -106,7 +118,8 @@ def load_service(path: pathlib.Path) -> dict[str, Any]:
 
 
 def read_service(path: pathlib.Path, environ: Mapping[str, str] | None = None) -> Service:
-    """Raises OSError, yaml.YAMLError, or ValueError for a file without exactly one service."""
+    """Raises OSError, or ValueError for a file that is not a compose file with exactly one
+    service."""
     env = dict(environ or {})
     svc = load_service(path)
     test = list((svc.get("healthcheck") or {}).get("test") or [])

@@ -624,3 +624,28 @@ def test_the_healthcheck_passes_with_a_key_set_and_the_api_needs_it():
             keyed = urllib.request.Request(url, headers={"Authorization": "Bearer the-key"})
             with urllib.request.urlopen(keyed, timeout=10) as r:
                 assert r.status == 200, path
+
+
+def test_a_file_that_is_not_a_compose_file_is_a_message_not_a_traceback(tmp_path, repo_root):
+    for text, problem in {
+        "a: [unclosed\n": "not a YAML compose file (ParserError at line 2)",
+        "- a list\n": "its top level is not a mapping",
+    }.items():
+        bad = tmp_path / "bad.yml"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            cf.read_service(bad, {})
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(repo_root / "scripts/memory-plan"),
+            str(repo_root / "tests/cpu/data/qwen3.8-flash-next-int4"),
+            "--compose",
+            str(repo_root / "compose/README.md"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "compose/README.md: not a YAML compose file (ScannerError at line" in r.stderr

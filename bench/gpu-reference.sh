@@ -10,7 +10,8 @@
 #              and ple-file (its own model) makes them first
 #              if they are missing, so start this one early (while the vLLM install finishes)
 #              to save time later
-#   tests      every GPU test (tests/gpu), correctness and kernels
+#   tests      every GPU test (tests/gpu), correctness and kernels, with the measurements
+#              (kernel timings, the PLE tables' cost)
 #   decode     five engines side by side at 10% host on the 16-layer model: unpatched,
 #              offload-02, offload-03, offload-03-swap, --cpu-offload-gb
 #   sweep      the whole suite: decode's group, offload-01, and offload-03-swap against
@@ -142,7 +143,7 @@ part() {
 run_part() {
   case $1 in
     models) models ;;
-    tests) part tests "tests:tests/gpu -rA -s" ;;
+    tests) part tests "tests:tests/gpu -rA -s --measurements" ;;
     decode)
       part decode "bench:${HOST10[*]} --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb --group 4 ${RUN[*]} --out OUT/decode.json"
       ;;
@@ -194,12 +195,12 @@ run_part() {
       ;;
     ple-cost)
       EO_QWEN4EXP_MAKE_ARGS="--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 8000000" \
-        EO_GPU_MEMORY_UTILIZATION=0.3 part ple-cost "tests:tests/gpu/test_ple_host_table.py -rA -s"
+        EO_GPU_MEMORY_UTILIZATION=0.3 part ple-cost "tests:tests/gpu/test_ple_host_table.py -rA -s --measurements"
       ;;
     ple-file)
       local work=${EO_GPU_WORK:-/tmp/eo-gpu} rc=0
       EO_QWEN4EXP_MAKE_ARGS="--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 34000000" \
-        EO_GPU_MEMORY_UTILIZATION=0.25 part ple-file "tests:tests/gpu/test_ple_file_table.py -rA -s" || rc=1
+        EO_GPU_MEMORY_UTILIZATION=0.25 part ple-file "tests:tests/gpu/test_ple_file_table.py -rA -s --measurements" || rc=1
       mkdir -p "$R/ple-file-read"
       cp "$work"/ple-file-vs-pinned.json "$work"/ple-file-vs-pinned.md "$R/ple-file-read/" || rc=1
       PYTHONPATH=scripts:${EO_VLLM_PATCHED:-/tmp/vllm-patched}:$EO_VLLM_SITE \

@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared pytest setup: GPU tests are skipped, with the reason, where CUDA is not available."""
+"""Shared pytest setup: GPU tests are skipped, with the reason, where CUDA is not available
+(and fail the run where scripts/test-gpu says this is a GPU host); tests marked
+`measurement` run only with --measurements."""
 
 from __future__ import annotations
 
@@ -15,21 +17,55 @@ if os.environ.get("EO_GPU_HOST") != "1":
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def _cuda_available() -> bool:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--measurements",
+        action="store_true",
+        help="also run the tests marked `measurement` (timings and cost reports; tests/README.md)",
+    )
+
+
+def _no_cuda_reason() -> str | None:
+    """None where torch sees a CUDA GPU, else why not."""
     try:
         import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+    except ImportError as e:  # the image workflow's test environment has no torch
+        return f"torch is not importable ({e})"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    return None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
+def _deselect_measurements(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--measurements") or "measurement" in (config.option.markexpr or ""):
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: run on a GPU host (README.md, 'GPU tests')")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    keep = [item for item in items if "measurement" not in item.keywords]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if "measurement" in i.keywords])
+        items[:] = keep
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k: only the GPU tests that would run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_measurements(config, items)
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    reason = _no_cuda_reason()
+    if reason is None:
+        return
+    if os.environ.get("EO_GPU_HOST") == "1":
+        # scripts/test-gpu: a GPU host whose GPU tests all skip has tested nothing
+        pytest.exit(
+            f"EO_GPU_HOST=1 (scripts/test-gpu) but {reason}: check the driver, "
+            "CUDA_VISIBLE_DEVICES and the torch in EO_VLLM_SITE",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+    skip = pytest.mark.skip(
+        reason=f"needs a CUDA GPU ({reason}): run on a GPU host (docs/developing.md, 'GPU tests')"
+    )
+    for item in gpu_items:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

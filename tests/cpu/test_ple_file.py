@@ -25,8 +25,8 @@ from test_qwen4exp_ple import (
     expected_rows,
     text_config,
 )
+from vllm.models.qwen4_exp.common import ple_file as pf
 
-pf = pytest.importorskip("vllm.models.qwen4_exp.common.ple_file")
 GiB = 1 << 30
 PREFIX = "model.layers.0.ple.ple_embedding.ngram_embedding"
 CKPT = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding"

@@ -61,7 +61,8 @@ def test_fp8_tables_take_one_byte_and_layers_differ(tmp_path):
 
 def test_matches_the_table_vllm_builds():
     """The preflight's rows equal those of vLLM's own layout code, per PLE layer."""
-    ple_layer = pytest.importorskip("vllm.models.qwen4_exp.nvidia.ple_layer")
+    from vllm.models.qwen4_exp.nvidia import ple_layer
+
     E = ple_layer.Qwen4ExpNGramEmbedding
     cfg = {"hidden_size": 48, "ple_layer_ids": [1, 3, 4], "ngram_vocab_size_base": 1000}
     cfg.update(ngram_size=4, heads_per_ngram=2, make_ngram_vocab_size_divisible_by=16)

@@ -6,9 +6,10 @@ engine starts with the tables' pages dropped from the page cache (VLLM_PLE_FILE_
 reads prompts of its own (the page cache is shared: another engine's reads would warm them):
 cold is the first pass over them, warm the second. Measured: greedy tokens against pinned,
 decode tok/s and p99 inter-token latency, TTFT of 2k, 8k and 32k prompts, and the tables'
-bytes in the page cache after the run (mincore).
+bytes in the page cache after the run (mincore). The numbers are a measurement (marker
+`measurement`), run with --measurements:
 
-    python3 -m pytest tests/gpu/test_ple_file_table.py -m gpu -s   (env: README.md)
+    scripts/test-gpu tests/gpu/test_ple_file_table.py --measurements -s   (docs/developing.md)
 
 The model: EO_QWEN4EXP_MODEL, else ``scripts/make-test-model $EO_QWEN4EXP_MAKE_ARGS`` (default
 "--arch qwen4_exp --preset tiny --quant int4 --ngram-vocab-base 34000000": two tables of about
@@ -120,9 +121,10 @@ def _table_resident_bytes(model: pathlib.Path) -> int:
     return total
 
 
-def test_report_file_against_pinned(runs, qwen4exp_model):
-    """Not a pass/fail threshold: the numbers for bench/results (the issue's targets are
-    checked by reading them)."""
+@pytest.mark.measurement
+def test_measure_file_against_pinned(runs, qwen4exp_model):
+    """The numbers for bench/results, no threshold on them (the targets are judged by
+    reading them). Asserted: every engine decoded and answered every prompt length."""
 
     def decode(run: dict, task: str) -> dict:
         d = run["tasks"][task]
@@ -191,4 +193,6 @@ def test_report_file_against_pinned(runs, qwen4exp_model):
     (gh.WORK / "ple-file-vs-pinned.json").write_text(json.dumps(report, indent=1))
     (gh.WORK / "ple-file-vs-pinned.md").write_text("\n".join(lines))
     gh.log("PLE file vs pinned: " + json.dumps(report))
-    assert pinned > 0 and fp["decode_warm"]["decode_tok_s"] > 0
+    for name, r in e.items():
+        assert r["decode_warm"]["decode_tok_s"] > 0 and r["decode_cold"]["decode_tok_s"] > 0, name
+        assert all(r[k][str(n)] > 0 for k in ("ttft_warm_ms", "ttft_cold_ms") for n in LENGTHS)

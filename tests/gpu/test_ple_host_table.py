@@ -3,8 +3,9 @@
 tables in VRAM (VLLM_PLE_TABLE=gpu), both with the patched vLLM and CUDA graphs on: greedy
 tokens identical, and the per-token cost of reading the table over PCIe, in decode (one
 stream) and in prefill (a 2,600-token prompt), the two engines side by side taking turns.
+The cost is a measurement (marker `measurement`), run with --measurements:
 
-    python3 -m pytest tests/gpu/test_ple_host_table.py -m gpu -s   (env: README.md)
+    scripts/test-gpu tests/gpu/test_ple_host_table.py --measurements -s   (docs/developing.md)
 
 The model: EO_QWEN4EXP_MODEL (a Qwen4Exp checkpoint folder with PLE layers), else one made
 by ``scripts/make-test-model $EO_QWEN4EXP_MAKE_ARGS`` (default "--arch qwen4_exp --preset
@@ -114,10 +115,11 @@ def test_start_up_says_where_the_table_is(runs):
     assert "in VRAM (VLLM_PLE_TABLE=gpu)" not in host_log
 
 
-def test_report_the_per_token_cost_of_the_host_table(runs):
-    """Not a pass/fail threshold: the numbers for the README. Each engine's decode speed is
+@pytest.mark.measurement
+def test_measure_the_per_token_cost_of_the_host_table(runs):
+    """The numbers for bench/results, no threshold on them: each engine's decode speed is
     the median over repeats of one stream's tokens/s; prefill is the median time to the
-    first token of the 2,600-token prompt."""
+    first token of the 2,600-token prompt. Asserted: both engines decoded and prefilled."""
     gpu, host = runs
 
     def numbers(run: dict) -> dict:
@@ -143,3 +145,4 @@ def test_report_the_per_token_cost_of_the_host_table(runs):
     (gh.WORK / "ple-host-vs-gpu.json").write_text(json.dumps(report, indent=1))
     gh.log("PLE host vs gpu: " + json.dumps(report))
     assert g["decode_tok_s"] > 0 and h["decode_tok_s"] > 0
+    assert g["prefill_tokens"] == h["prefill_tokens"] == 2600

@@ -1,36 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 """GPU tests of the runtime-swap kernels: the CPU checks with compiled kernels on
-CUDA, the kernels inside CUDA graphs, host-memory rows of a VMM table, and timings.
+CUDA, the kernels inside CUDA graphs, host-memory rows of a VMM table; and, marked
+`measurement` (run with --measurements), their timings.
 
-Needs compiled kernels (TRITON_INTERPRET unset; tests/cpu/test_swap_kernels.py leaves it
-so):
+Needs compiled kernels (TRITON_INTERPRET unset; tests/cpu/test_swap_kernels.py sets it
+only in a process of its own):
 
-    scripts/test-gpu tests/gpu/test_swap_kernels_gpu.py -s
+    scripts/test-gpu tests/gpu/test_swap_kernels_gpu.py
+    scripts/test-gpu tests/gpu/test_swap_kernels_gpu.py -k timing --measurements -s
 
-``-s`` shows the timing lines (informational, nothing is asserted on them).
+``-s`` shows the timing lines. The measurements assert only that the timed kernels did
+their work (no decision where none is due, the decided rows exchanged, others untouched).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import pathlib
 from collections.abc import Callable
-from types import ModuleType
 
 import numpy as np
 import pytest
+import swap_harness as h
 import torch
+from eotools.swap_policy import SwapPolicy
+from vllm.model_executor.layers.fused_moe.expert_offload import swap as sk
+from vllm.model_executor.layers.fused_moe.expert_offload import vmm
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip(
-        "TRITON_INTERPRET=1 is set: the GPU tests need compiled kernels",
-        allow_module_level=True,
-    )
-
-import swap_harness as h  # noqa: E402
-from eotools.swap_policy import SwapPolicy  # noqa: E402
-from vllm.model_executor.layers.fused_moe.expert_offload import swap as sk  # noqa: E402
+if os.environ.get("TRITON_INTERPRET") == "1" and torch.cuda.is_available():
+    raise RuntimeError("TRITON_INTERPRET=1 is set: the GPU tests need compiled kernels (unset it)")
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,9 +41,6 @@ DEVICE = "cuda"
 @pytest.fixture(autouse=True)
 def _bind_module() -> None:
     h.bind(sk)
-
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -217,24 +212,19 @@ def test_count_decide_and_swap_in_cuda_graphs() -> None:
     assert total >= 50, f"too few swaps: {total}"
 
 
-def _load_vmm() -> ModuleType:
-    from vllm.model_executor.layers.fused_moe.expert_offload import vmm
-
-    return vmm
+def _need_host_mapping() -> None:
+    """Skip where this host's driver refuses host-NUMA mappings (the probe says why;
+    test_vmm_gpu.py::test_probe_ok fails for it); any other VMM error fails the test."""
+    reason = vmm.probe_host_mapping(0)
+    if reason is not None:
+        pytest.skip(f"this host refuses host-NUMA VMM mappings: {reason}")
 
 
 def test_swap_across_the_vram_host_boundary_of_a_vmm_table() -> None:
     """Rows in host-NUMA memory of a VMM table move with SM loads and stores."""
-    try:
-        vmm = _load_vmm()
-    except Exception as e:  # cuda-python or vllm missing
-        pytest.skip(f"VMM wrapper not importable: {e}")
+    _need_host_mapping()
     experts, row_bytes = 32, 256 << 10
-    try:
-        table = vmm.SplitTable(experts, row_bytes, gpu_bytes=4 << 20, device=0)
-    except vmm.VmmError as e:
-        pytest.skip(f"no host-NUMA VMM here: {e}")
-    with table:
+    with vmm.SplitTable(experts, row_bytes, gpu_bytes=4 << 20, device=0) as table:
         assert 0 < table.gpu_rows < experts, table
         weights = table.row_view(torch.int32, (row_bytes // 4,))
         gen = torch.Generator().manual_seed(13)
@@ -249,6 +239,7 @@ def test_swap_across_the_vram_host_boundary_of_a_vmm_table() -> None:
 
 
 def _time_ms(fn: Callable[[], None], iters: int) -> float:
+    """Mean milliseconds of ``fn`` over ``iters`` calls, after one untimed call."""
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     fn()
@@ -261,8 +252,48 @@ def _time_ms(fn: Callable[[], None], iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
-def test_timings() -> None:
-    """Informational: decide alone at L=48, E=512; route_picks; idle swap_rows."""
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor as uint8 [rows, bytes of a row] (a view: writes go through)."""
+    assert t.is_contiguous(), "the measured tables are contiguous"
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def check_one_swap_launch(state: sk.SwapCounters, tables: sk.SwapTables, seed: int) -> None:
+    """One more ``swap_rows`` launch, with random bytes first written into the rows it
+    concerns: in every layer with a decision the two decided rows trade their bytes in
+    every tensor and a third row keeps them; a layer without one keeps its first and last
+    rows. What the timings measured is then a swap that moves the right bytes."""
+    dev = tables.base.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    watched = []  # (layer, rows, order of the old rows expected in them afterwards)
+    for layer, (gpu_row, host_row) in enumerate(state.decision.cpu().tolist()):
+        n = tables.num_rows[layer]
+        if gpu_row >= 0:
+            other = next(r for r in range(n) if r not in (gpu_row, host_row))
+            watched.append((layer, [gpu_row, host_row, other], [1, 0, 2]))
+        else:
+            watched.append((layer, [0, n - 1], [0, 1]))
+    before = {}
+    for layer, rows, _ in watched:
+        for slot, t in enumerate(tables.tensors[layer]):
+            b = _row_bytes(t)
+            fill = (len(rows), b.shape[1])
+            b[rows] = torch.randint(0, 256, fill, dtype=torch.uint8, device=dev, generator=gen)
+            before[layer, slot] = b[rows].clone()
+    sk.swap_rows(state, tables)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    for layer, rows, order in watched:
+        for slot, t in enumerate(tables.tensors[layer]):
+            got = _row_bytes(t)[rows]
+            want = before[layer, slot][order]
+            assert torch.equal(got, want), f"layer {layer} tensor {slot} rows {rows}"
+
+
+@pytest.mark.measurement
+def test_measure_kernel_timings() -> None:
+    """Timings at L=48, E=512: decide alone, route_picks of 48 layers, swap_rows idle and
+    with every layer swapping. Asserted: the timed calls did their work."""
     layers, experts = 48, 512
     gpu_rows = [384] * layers
     state = sk.SwapCounters.create(gpu_rows, experts, DEVICE)
@@ -280,11 +311,17 @@ def test_timings() -> None:
         f"\ndecide L={layers} E={experts}: {eager * 1e3:.1f} us/call eager "
         f"(launch included), {in_graph * 1e3:.1f} us/call in a CUDA graph"
     )
+    assert (state.decision == -1).all() and state.swaps.sum().item() == 0
 
     ids = torch.randint(0, experts, (layers, 1, 8), dtype=torch.int32, device=DEVICE)
     graph = _capture(lambda: [sk.route_picks(state, i, ids[i]) for i in range(layers)])
-    count = _time_ms(graph.replay, 100)
+    replays = 100
+    count = _time_ms(graph.replay, replays)
     print(f"route_picks x{layers} layers (1 token, k=8) in a graph: {count * 1e3:.1f} us")
+    # ran once before capture and 1 + `replays` times as a graph; no swap: rows are ids
+    runs = 1 + 1 + replays
+    want = (ids.reshape(layers, -1) >= gpu_rows[0]).sum(1).cpu() * runs
+    assert torch.equal(state.host_reads.cpu(), want)
 
     # Idle swap (no decision) over 48 layers of 256 KiB rows: 64 chunks, as for
     # real expert rows (~1 MiB); fewer layers where memory is short.
@@ -305,6 +342,7 @@ def test_timings() -> None:
         f"{tables.num_chunks}: {idle * 1e3:.1f} us eager, {idle_graph * 1e3:.1f} us "
         "in a graph"
     )
+    check_one_swap_launch(state, tables, seed=21)  # idle: nothing moves
     # All layers swapping 256 KiB + small rows in VRAM (the host case is PCIe bound).
     state.decision[:, 0] = 0
     state.decision[:, 1] = 400
@@ -314,17 +352,17 @@ def test_timings() -> None:
         f"swap_rows all {layers} layers swapping (VRAM rows): "
         f"{busy * 1e3:.1f} us, {moved * layers / busy / 1e6:.1f} GB/s"
     )
+    check_one_swap_launch(state, tables, seed=22)
 
 
-def test_timing_of_a_swap_across_pcie() -> None:
-    """Informational: one swap of a target-model expert (the INT4 row's four tensors:
-    w13, w2 and their scales) between a VRAM row and a host row of VMM tables, against
-    the copy engine moving the same bytes both ways. A swap round reads the host row and
-    writes it back over PCIe; this is what each swap adds to a decode step."""
-    try:
-        vmm = _load_vmm()
-    except Exception as e:  # cuda-python or vllm missing
-        pytest.skip(f"VMM wrapper not importable: {e}")
+@pytest.mark.measurement
+def test_measure_timing_of_a_swap_across_pcie() -> None:
+    """One swap of a target-model expert (the INT4 row's four tensors: w13, w2 and their
+    scales) between a VRAM row and a host row of VMM tables, against the copy engine
+    moving the same bytes both ways. A swap round reads the host row and writes it back
+    over PCIe; this is what each swap adds to a decode step. Asserted: the timed swap
+    exchanges the two rows' bytes in all four tables."""
+    _need_host_mapping()
     from eodev.host_read import EXPERT_BYTES, EXPERT_PARTS
 
     # enough rows that even the smallest tensor's table has rows past its first 2 MiB
@@ -332,16 +370,11 @@ def test_timing_of_a_swap_across_pcie() -> None:
     parts = EXPERT_PARTS  # w13, w2, w13 scales, w2 scales
     assert sum(parts) == EXPERT_BYTES
     gran = vmm.granularity(0)
-    tables = []
+    tables: list[vmm.SplitTable] = []
     try:
         for part in parts:
             gpu = -(-(experts // 2) * part // gran) * gran  # half the rows, rounded up
             tables.append(vmm.SplitTable(experts, part, gpu_bytes=gpu, device=0))
-    except vmm.VmmError as e:
-        for t in tables:
-            t.close()
-        pytest.skip(f"no host-NUMA VMM here: {e}")
-    try:
         views = [t.row_view(torch.uint8, (part,)) for t, part in zip(tables, parts, strict=True)]
         host_row = experts - 1
         assert all(0 < t.gpu_rows <= host_row for t in tables), tables
@@ -367,6 +400,7 @@ def test_timing_of_a_swap_across_pcie() -> None:
             f"({2 * EXPERT_BYTES / in_graph / 1e6:.1f} GB/s both ways); the copy engine "
             f"moves the same bytes both ways in {copies * 1e3:.1f} us"
         )
+        check_one_swap_launch(state, swap_tables, seed=23)
         del views
         torch.cuda.synchronize()
     finally:

@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from eodev.host_read import EXPERT_BYTES  # one INT4 expert of the target model
 from vllm.model_executor.layers.fused_moe.expert_offload import vmm
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # collected on machines without Triton; the tests skip
-    triton = None
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,35 +22,31 @@ pytestmark = [
 ]
 
 
-if triton is not None:
-
-    @triton.jit
-    def _row_sums_kernel(
-        src_ptr,
-        idx_ptr,
-        out_ptr,
-        row_bytes,
-        n_chunks,
-        CHUNK: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        """out[k, c] = sum of bytes [c*CHUNK, (c+1)*CHUNK) of row idx[k]."""
-        k = tl.program_id(0)
-        c = tl.program_id(1)
-        row = tl.load(idx_ptr + k).to(tl.int64)
-        base = src_ptr + row * row_bytes
-        acc = tl.zeros((BLOCK,), dtype=tl.int32)
-        for i in range(0, CHUNK, BLOCK):
-            offs = c * CHUNK + i + tl.arange(0, BLOCK)
-            x = tl.load(base + offs, mask=offs < row_bytes, other=0)
-            acc += x.to(tl.int32)
-        tl.store(out_ptr + k * n_chunks + c, tl.sum(acc, axis=0))
+@triton.jit
+def _row_sums_kernel(
+    src_ptr,
+    idx_ptr,
+    out_ptr,
+    row_bytes,
+    n_chunks,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """out[k, c] = sum of bytes [c*CHUNK, (c+1)*CHUNK) of row idx[k]."""
+    k = tl.program_id(0)
+    c = tl.program_id(1)
+    row = tl.load(idx_ptr + k).to(tl.int64)
+    base = src_ptr + row * row_bytes
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for i in range(0, CHUNK, BLOCK):
+        offs = c * CHUNK + i + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < row_bytes, other=0)
+        acc += x.to(tl.int32)
+    tl.store(out_ptr + k * n_chunks + c, tl.sum(acc, axis=0))
 
 
 def _triton_row_sums(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Per-row byte sums of table[idx] (uint8 [rows, row_bytes]) by a Triton kernel."""
-    if triton is None:
-        pytest.skip("needs Triton")
     row_bytes = table.shape[1]
     chunk, block = 64 * 1024, 1024
     n_chunks = triton.cdiv(row_bytes, chunk)

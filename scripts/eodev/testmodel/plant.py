@@ -22,7 +22,6 @@ Everything before them is the "token" subspace that the language-model head read
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import string
@@ -181,9 +180,6 @@ class Plan:
         topic[self.first_word_id :] = np.arange(n_words) * t // n_words
         return topic
 
-    def topic_domain(self, topic: int) -> int:
-        return topic // self.planting.topics_per_domain
-
     def words_of_topic(self, topic: int) -> np.ndarray:
         return np.flatnonzero(self.word_topic == topic)
 
@@ -309,7 +305,3 @@ def load_plan(model_dir: pathlib.Path) -> Plan:
     desc = json.loads(desc_file.read_text())
     planting = dict(desc["planting"], domains=tuple(desc["planting"]["domains"]))
     return Plan(Geometry(**desc["geometry"]), Planting(**planting))
-
-
-def with_overrides(planting: Planting, **kw: object) -> Planting:
-    return dataclasses.replace(planting, **kw)

@@ -5,7 +5,8 @@
 #
 # TARGET is a directory holding the vllm/ package: a site-packages directory (patched with
 # GNU patch; git is not needed) or a vLLM git checkout such as a workspace made by
-# scripts/vllm-tree (each patch becomes a commit, with git am).
+# scripts/vllm-tree (each patch becomes a commit, with git am, whose committer date is the
+# day of the patch's Last-Update header, so that scripts/export-patches writes it back as is).
 #
 #   --check        check only: report what would be done, change nothing
 #   --patches DIR  apply DIR/series, whose patches are in DIR (default: patches/)
@@ -236,10 +237,15 @@ if ((git_target)); then
   orig=$(git -C "$target" rev-parse HEAD)
   for ((i = 0; i < n; i++)); do
     echo "* Applying $(name "${SERIES[i]}") ($((i + 1))/$n)"
+    # Last-Update (DEP-3, in the mail header: up to the first empty line) dates the commit.
+    updated=$(sed -n '/^$/q; s/^Last-Update: *\([0-9]\{4\}-[0-9]\{2\}-[0-9]\{2\}\) *$/\1/p' \
+      "${SERIES[i]}")
+    dated=()
+    [[ -z $updated ]] || dated=(env "GIT_COMMITTER_DATE=${updated}T00:00:00+00:00")
     # Exactly as written: no three-way merge, whitespace as it is, subject brackets kept
     # (only "[PATCH]" is dropped), whatever am.* or apply.* the user has configured.
-    if ! git -C "$target" "${ident[@]}" am --quiet --no-3way --keep-non-patch --no-scissors \
-      --no-message-id --no-keep-cr --whitespace=nowarn "${SERIES[i]}"; then
+    if ! "${dated[@]}" git -C "$target" "${ident[@]}" am --quiet --no-3way --keep-non-patch \
+      --no-scissors --no-message-id --no-keep-cr --whitespace=nowarn "${SERIES[i]}"; then
       git -C "$target" am --abort 2> /dev/null || true
       git -C "$target" reset --quiet --keep "$orig"
       die 1 "git am failed on $(name "${SERIES[i]}"); $target is back at its original commit"

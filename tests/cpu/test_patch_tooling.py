@@ -222,7 +222,7 @@ def test_export_is_byte_stable_whatever_the_git_config(series: Series, tmp_path:
         "[format]\n numbered = true\n signature = hostile\n thread = shallow\n"
         " headers = X-Hostile: yes\n to = list@example.com\n coverLetter = true\n"
         " subjectPrefix = RFC\n signOff = true\n from = Other <other@example.com>\n"
-        " suffix = .diff\n useAutoBase = true\n"
+        " suffix = .diff\n useAutoBase = true\n filenameMaxLength = 20\n"
         "[core]\n abbrev = 7\n quotePath = false\n"
     )
     for name, env in ("plain", ENV), ("hostile", {**ENV, "GIT_CONFIG_GLOBAL": str(hostile)}):
@@ -270,6 +270,101 @@ def test_export_check_and_rewrite(series: Series, tmp_path: Path) -> None:
     text = (patches / "series").read_text()
     assert text.startswith("# Our own header.\n") and text.endswith("0004-Pin-memory.patch\n")
     assert run(EXPORT, "--check", "--workspace", ws, "--patches", patches).returncode == 0
+
+
+def header(patch: Path) -> list[str]:
+    """The mail header of an exported patch: its lines up to the first empty one."""
+    return patch.read_text().split("\n\n", 1)[0].splitlines()
+
+
+def commit_on(ws: Path, subject: str, env: dict[str, str] = DEV) -> None:
+    (ws / DEMO).write_text((ws / DEMO).read_text() + f"# {len(subject)}\n")
+    git(ws, "commit", "-q", "-a", "-m", subject, env=env)
+
+
+def test_patches_carry_dep3_fields_dated_by_their_commits(
+    series: Series, checkout: Path, site_packages: Path, tmp_path: Path
+) -> None:
+    for name in series.names:
+        lines = header(series.patches / name)
+        assert "From: Dev Eloper <dev@example.com>" in lines, name  # DEP-3 Author
+        assert any(ln.startswith("Subject: [PATCH] ") for ln in lines), name  # Description
+        assert lines[-2:] == ["Forwarded: no", "Last-Update: 2026-01-02"], name
+
+    # Each patch gets its own commit's committer date: the day in the committer's time zone
+    # (04:30 UTC on the 4th), not the author date.
+    ws = tmp_path / "workspace"
+    ok("git", "clone", "-q", series.workspace, ws)
+    later = {
+        **DEV,
+        "GIT_AUTHOR_DATE": "2025-12-31T10:00:00+00:00",
+        "GIT_COMMITTER_DATE": "2026-02-03T23:30:00-05:00",
+    }
+    commit_on(ws, "Offload later", env=later)
+    patches = tmp_path / "patches"
+    ok(EXPORT, "--workspace", ws, "--patches", patches)
+    dates = [ln for p in sorted(patches.glob("*.patch")) for ln in header(p) if "Update" in ln]
+    assert dates == ["Last-Update: 2026-01-02"] * 3 + ["Last-Update: 2026-02-03"]
+    assert "Date: Wed, 31 Dec 2025 10:00:00 +0000" in header(patches / "0004-Offload-later.patch")
+
+    # git am (a checkout) and GNU patch (site-packages) take the header; the commits git am
+    # makes are dated by Last-Update, so their export is the same bytes, and series-digest
+    # reads the series.
+    result = apply(checkout, patches)
+    assert result.returncode == 0, result.stderr
+    dated = git(checkout, "log", "--format=%cs %s", f"{TAG}..HEAD").splitlines()
+    assert dated[0] == "2026-02-03 Offload later" and len(dated) == 4
+    check = run(EXPORT, "--check", "--workspace", checkout, "--patches", patches)
+    assert check.returncode == 0, check.stdout + check.stderr
+    result = apply(site_packages, patches)
+    assert result.returncode == 0, result.stderr
+    assert (site_packages / DEMO).read_bytes() == (ws / DEMO).read_bytes()
+    digest_of = ok(ROOT / "scripts/series-digest", patches).strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", digest_of)
+
+
+def test_file_names_hold_the_whole_subject(series: Series, tmp_path: Path) -> None:
+    ws = tmp_path / "workspace"
+    ok("git", "clone", "-q", series.workspace, ws)
+    subject = (
+        "Offload: keep every expert of a layer in host memory when its whole table is cold "
+        "(VLLM_EXPERT_HOST_LAYERS)"
+    )
+    commit_on(ws, subject)
+    patches = tmp_path / "patches"
+    ok(EXPORT, "--workspace", ws, "--patches", patches)
+    slug = (
+        "Offload-keep-every-expert-of-a-layer-in-host-memory-when-its-whole-table-is-cold-"
+        "VLLM_EXPERT_HOST_LAYERS"
+    )
+    assert (patches / f"0004-{slug}.patch").is_file(), sorted(p.name for p in patches.iterdir())
+
+    # a subject whose name would be cut is refused, and nothing is written
+    commit_on(ws, "Offload " + "very " * 40 + "long")
+    refused = run(EXPORT, "--workspace", ws, "--patches", tmp_path / "none")
+    assert refused.returncode == 2
+    assert "too long for a file name" in refused.stderr and "shorten it" in refused.stderr
+    assert not (tmp_path / "none").exists()
+
+
+def test_export_refuses_more_than_one_author(series: Series, tmp_path: Path) -> None:
+    ws = tmp_path / "workspace"
+    ok("git", "clone", "-q", series.workspace, ws)
+    # another committer is fine: DEP-3's Author is the commit's author
+    commit_on(ws, "Committed by someone else", env={**DEV, "GIT_COMMITTER_NAME": "Other"})
+    ok(EXPORT, "--workspace", ws, "--patches", tmp_path / "one-author")
+
+    other = {**DEV, "GIT_AUTHOR_NAME": "Other Author", "GIT_AUTHOR_EMAIL": "other@example.com"}
+    commit_on(ws, "Written by someone else", env=other)
+    odd = git(ws, "rev-parse", "--short", "HEAD")
+    for options in [], ["--check"]:
+        refused = run(EXPORT, *options, "--workspace", ws, "--patches", tmp_path / "two")
+        assert refused.returncode == 2, refused.stdout
+        assert "2 author identities" in refused.stderr
+        assert f"Other Author <other@example.com>: {odd}\n" in refused.stderr
+        assert "Dev Eloper <dev@example.com>: " in refused.stderr
+        assert "--author='Dev Eloper <dev@example.com>'" in refused.stderr  # the fix
+        assert not (tmp_path / "two").exists()
 
 
 def test_export_refuses_a_workspace_without_the_tag(tmp_path: Path) -> None:

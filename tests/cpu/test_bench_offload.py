@@ -79,7 +79,8 @@ def test_physical_bound_is_unpatched_tpot_plus_reads_times_the_read_cost(report)
 
 
 def test_config_specs():
-    from eodev.bench_offload import parse_spec, spec_slug
+    from eodev.bench.configs import parse_spec
+    from eodev.bench_offload.suite import spec_slug
 
     assert parse_spec("offload-02") == ("offload-02", "", None, None)
     assert parse_spec("offload-02+count") == ("offload-02", "count", None, None)
@@ -112,13 +113,13 @@ def test_config_specs():
 
 
 def _args(*argv: str):
-    from eodev.bench_offload import parser
+    from eodev.bench_offload.cli import parser
 
     return parser().parse_args(["--model", "m", "--out", "o.json", *argv])
 
 
 def test_pp_size_reaches_every_engine():
-    from eodev.bench_offload import suite_engine
+    from eodev.bench_offload.suite import suite_engine
 
     assert "pipeline_parallel_size" not in suite_engine(_args())
     two = suite_engine(_args("--pp-size", "2"), cpu_offload_gb=1.5)
@@ -128,30 +129,32 @@ def test_pp_size_reaches_every_engine():
 def test_ttft_32k_adds_its_task_and_room_for_its_prompt(repo_root, tmp_path):
     """--ttft-32k: a third TTFT task of 32,768 tokens whose first 8,192 are the 8k task's
     prompt, every engine's max_model_len raised for it; the report's TTFT cell shows it."""
-    from eodev import bench_offload as bo
+    from eodev.bench_offload.report import _ttft_cell
+    from eodev.bench_offload.suite import suite_engine
+    from eodev.bench_offload.workloads import LONG_MODEL_LEN, engine_tasks, workload_prompts
     from eodev.testmodel.plant import load_plan
 
     model = tmp_path / "target-int4-2l"
     tool = [sys.executable, str(repo_root / "scripts/make-test-model"), str(model)]
     subprocess.run([*tool, "--layers", "2", "--no-weights"], check=True, capture_output=True)
     plan = load_plan(model)
-    short = bo.workload_prompts(plan)
-    long = bo.workload_prompts(plan, 32768)
+    short = workload_prompts(plan)
+    long = workload_prompts(plan, 32768)
     assert long[2][:10240] == short[2] and len(long[2]) >= 32768
-    tasks = bo.engine_tasks(_args("--ttft-32k"), *long)
+    tasks = engine_tasks(_args("--ttft-32k"), *long)
     by_name = {t["name"]: t for t in tasks}
     assert len(by_name["ttft_32k"]["prompt"]) == 32768
     assert by_name["ttft_32k"]["prompt"][:8192] == by_name["ttft_8k"]["prompt"]
-    assert "ttft_32k" not in {t["name"] for t in bo.engine_tasks(_args(), *short)}
-    assert bo.suite_engine(_args("--ttft-32k"))["max_model_len"] == bo.LONG_MODEL_LEN
-    assert bo.suite_engine(_args())["max_model_len"] == 10240
+    assert "ttft_32k" not in {t["name"] for t in engine_tasks(_args(), *short)}
+    assert suite_engine(_args("--ttft-32k"))["max_model_len"] == LONG_MODEL_LEN
+    assert suite_engine(_args())["max_model_len"] == 10240
     row = {"ttft_2k_ms": [20.0, 21.0, 19.0], "ttft_8k_ms": [110.0], "ttft_32k_ms": [650.0]}
-    assert bo._ttft_cell(row) == "20.0 / 110.0 / 650.0"
-    assert bo._ttft_cell({**row, "ttft_32k_ms": None}) == "20.0 / 110.0"
+    assert _ttft_cell(row) == "20.0 / 110.0 / 650.0"
+    assert _ttft_cell({**row, "ttft_32k_ms": None}) == "20.0 / 110.0"
 
 
 def test_the_stage_variant_turns_prefill_staging_on(tmp_path):
-    from eodev.bench_offload import _variant_env
+    from eodev.bench_offload.configs import _variant_env
 
     env = {"VLLM_EXPERT_COLD_FILE": "c.json"}
     _variant_env(env, "stage", "offload-02", tmp_path / "b.json")
@@ -162,7 +165,7 @@ def test_the_stage_variant_turns_prefill_staging_on(tmp_path):
 
 
 def test_the_fast_variant_sets_the_swap_policy_simulate_swap_prefers(tmp_path):
-    from eodev.bench_offload import _variant_env
+    from eodev.bench_offload.configs import _variant_env
 
     env = {}
     _variant_env(env, "fast+stage", "offload-03-swap", tmp_path / "b.json")
@@ -178,7 +181,7 @@ def test_agreement_says_where_greedy_tokens_leave_the_unpatched_ones():
     """A sequence that differs is located at its first differing token, with both tokens
     and each engine's logprob of its own token; the report groups repeated prompts that
     diverge the same way into one line."""
-    from eodev import bench_offload as bo
+    from eodev.bench_offload.agreement import agreement, divergence_lines
 
     def run(*outputs):
         return {"tasks": {"fresh_tokens": {"outputs": list(outputs)}}}
@@ -187,10 +190,10 @@ def test_agreement_says_where_greedy_tokens_leave_the_unpatched_ones():
         return {"token_ids": ids, "logprobs": lps}
 
     base = run(out([1, 2, 3], [-0.1, -0.2, -4.5649]), out([4, 5], [-0.1, -0.1]))
-    same = bo.agreement(run(*base["tasks"]["fresh_tokens"]["outputs"]), base, "fresh")
+    same = agreement(run(*base["tasks"]["fresh_tokens"]["outputs"]), base, "fresh")
     assert same["sequences_identical_to_unpatched"] == "2/2" and same["divergences"] == []
     res = run(out([1, 2, 9], [-0.1, -0.2, -4.5645]), out([4], [-0.1]))
-    got = bo.agreement(res, base, "fresh")
+    got = agreement(res, base, "fresh")
     assert got["sequences_identical_to_unpatched"] == "0/2"
     assert got["divergences"] == [
         {
@@ -209,13 +212,13 @@ def test_agreement_says_where_greedy_tokens_leave_the_unpatched_ones():
     doc = {
         "runs": [{**row, "divergences": [first, {**first, "prompt": 5}]}, {**row, "config": "x"}]
     }
-    lines = bo.divergence_lines(doc)
+    lines = divergence_lines(doc)
     assert lines[2] == (
         "- offload-03-swap, repeat, prompts 0, 5: token 2 of 3: 9 (logprob -4.5645) against "
         "unpatched 3 (-4.5649), 0.0004 apart"
     )
     assert len(lines) == 3
-    assert bo.divergence_lines({"runs": [row]}) == []
+    assert divergence_lines({"runs": [row]}) == []
 
 
 def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path):
@@ -240,7 +243,7 @@ def test_a_sweep_adds_both_configurations_per_host_fraction(repo_root, tmp_path)
 
 
 def test_agreement_with_unpatched():
-    from eodev.bench_offload import agreement
+    from eodev.bench_offload.agreement import agreement
 
     def run(*outs):
         return {"tasks": {"fresh_tokens": {"outputs": list(outs)}}}
@@ -350,7 +353,8 @@ def test_engine_runs_record_their_machine(monkeypatch):
 
 def test_decide_ab_task_and_its_report_line(report):
     """--decide-ab: decisions that never swap against none, and the report's line for it."""
-    from eodev.bench_offload import decide_ab_task, markdown
+    from eodev.bench_offload.report import markdown
+    from eodev.bench_offload.workloads import decide_ab_task
 
     task = decide_ab_task([[1, 2]], 64, 3)
     assert task["kind"] == "decode_ab" and task["name"] == "decide_ab"
@@ -418,7 +422,7 @@ def test_a_paired_run_with_gzip_compressed_results(repo_root, tmp_path):
 
 
 def test_run_units_group_configurations_and_alternate_their_order():
-    from eodev.bench_offload import run_units
+    from eodev.bench_offload.suite import run_units
 
     specs = ["unpatched", "offload-02", "offload-01", "offload-03-swap:26"]
     assert run_units(specs, 1, 0) == [(1, [s]) for s in specs]
@@ -440,8 +444,8 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     """--group 2: two configurations at a time beside one unpatched engine (one
     run_engine_group call per unit, labels naming the unit); each ratio is against that
     engine; a member that fails is reported alone; --from-runs finds the same runs again."""
-    from eodev import bench_offload
     from eodev import gpu_harness as gh
+    from eodev.bench_offload.cli import main
 
     raw = repo_root / RAW
 
@@ -474,7 +478,7 @@ def test_a_group_takes_its_ratios_from_its_own_unpatched_engine(repo_root, tmp_p
     configs = "unpatched,cpu-offload-gb,offload-02,offload-01,offload-03"
     args = ["--model", str(model), "--group", "2", "--configs", configs]
     # a failed member is reported, and the exit status says so
-    assert bench_offload.main([*args, "--out", str(out)]) == 1
+    assert main([*args, "--out", str(out)]) == 1
     first = [
         "bench-unpatched-for-cpu-offload-gb+offload-02",
         "bench-cpu-offload-gb",
@@ -586,7 +590,7 @@ def test_per_repeat_ratios_and_a_reproduction_check_on_two_committed_runs(repo_r
 
 
 def test_reproduction_verdicts():
-    from eodev.bench_offload import reproduction, reproduction_lines
+    from eodev.bench_offload.reproduction import reproduction, reproduction_lines
 
     def doc(ratio, rng, config="offload-02"):
         row = {"config": config, "workload": "fresh", "decode_vs_unpatched": ratio}
@@ -612,7 +616,7 @@ def test_reproduction_verdicts():
 
 
 def test_a_profile_is_set_beside_its_own_rounds_unpatched_partner():
-    from eodev.bench_offload import _partner_profile
+    from eodev.bench_offload.profiles import _partner_profile
 
     profs = {
         "unpatched beside a, b (round 2)": "r2",
@@ -629,7 +633,7 @@ def test_rows_whose_engine_ran_another_path_are_flagged():
     """A first group of five engines on one H200 (2026-12-01) merged only 11 of 16 layers of
     its one-table engines: VRAM ran out while merging and the rest kept two tables. The
     report flags such rows instead of presenting them as offload-03's."""
-    from eodev.bench_offload import markdown, path_warnings
+    from eodev.bench_offload.report import markdown, path_warnings
 
     def row(config, n, variant=None):
         r = {"config": config, "workload": "fresh", "moe_layers": 16, "one_table_layers": n}
@@ -729,7 +733,8 @@ def test_a_bad_compare_with_file_stops_before_any_engine_runs(repo_root, tmp_pat
 def test_rounds_keep_the_round_that_ran_another_path():
     """Merged rounds carry the round furthest from the configuration's path, so that a
     fallback in any round is flagged."""
-    from eodev.bench_offload import merge_rounds, path_warnings
+    from eodev.bench_offload.report import path_warnings
+    from eodev.bench_offload.rows import merge_rounds
 
     def row(config, n):
         return {
@@ -751,7 +756,7 @@ def test_the_report_flags_an_unpatched_engine_far_from_the_others():
     report lists them, and warns about one that decodes more than 10% off their median
     (one run of 2026-12-01: 457 against 594 and 594 tok/s), since every ratio of its unit
     moves with it."""
-    from eodev import bench_offload
+    from eodev.bench_offload.reproduction import baseline_lines
 
     def row(variant, fresh, repeat):
         out = []
@@ -768,21 +773,21 @@ def test_the_report_flags_an_unpatched_engine_far_from_the_others():
         + row("unpatched (beside b)", [593.8, 615.1, 524.1], [524.2, 559.6, 487.6])
         + [{"config": "offload-02", "workload": "fresh", "decode_tok_s": [100.0]}]
     }
-    text = "\n".join(bench_offload.baseline_lines(doc))
+    text = "\n".join(baseline_lines(doc))
     assert "unpatched 456.7 / 505.2" in text and "(1.30x / 1.13x apart)" in text
     warnings = [x for x in text.splitlines() if x.startswith("WARNING")]
     assert warnings == [
         "WARNING: unpatched decoded 23% below the median of this run's unpatched engines "
         "on fresh prompts: the ratios against it are lifted by about as much."
     ]
-    assert bench_offload.baseline_lines({"runs": row(None, [1.0], [1.0])}) == []
+    assert baseline_lines({"runs": row(None, [1.0], [1.0])}) == []
 
 
 def test_the_census_difference_leaves_out_alias_ranges():
     """Runs made before the probe left alias ranges out list one-table staging's second
     address of the table's VRAM as tensors (30 GB on a 24-layer model, 2026-12-03): the
     report leaves such groups out of the difference; the slots' real VRAM stays."""
-    from eodev import bench_offload
+    from eodev.bench_offload.memory import census_diff
 
     alias = {"shape": [838860800], "dtype": "uint8", "count": 24, "bytes": 24 * 838860800}
     alias["held_by"] = ["AliasRange._base"]
@@ -790,7 +795,7 @@ def test_the_census_difference_leaves_out_alias_ranges():
     slot["held_by"] = ["SplitTable._base"]
     base = {"other_bytes": 1000, "top": []}
     mine = {"other_bytes": 1000 + alias["bytes"] + slot["bytes"], "top": [alias, slot]}
-    diff = bench_offload.census_diff(mine, base)
+    diff = census_diff(mine, base)
     assert diff["extra"] == [slot]
     assert diff["other_bytes_delta"] == slot["bytes"]
 
@@ -799,7 +804,7 @@ def test_the_report_names_what_an_engine_holds_beside_its_weights():
     """From the probe's census of both engines: the extra bytes of a configuration over its
     unpatched engine, and the tensor groups it holds more of (the 72 MB that
     offload-02 held on 2026-12-01, which totals alone could not name)."""
-    from eodev import bench_offload
+    from eodev.bench_offload.memory import census_diff, census_lines
 
     kv = {"shape": [2, 4096, 16], "dtype": "bfloat16", "count": 16, "bytes": 4 << 30}
     base = {"other_bytes": (4 << 30) + 1000, "top": [kv]}
@@ -811,18 +816,18 @@ def test_the_report_names_what_an_engine_holds_beside_its_weights():
         "held_by": ["FusedMoEQuantDesc.scale"],
     }
     mine = {"other_bytes": (4 << 30) + 1000 + stray["bytes"], "top": [kv, stray]}
-    diff = bench_offload.census_diff(mine, base)
+    diff = census_diff(mine, base)
     assert diff["other_bytes_delta"] == stray["bytes"]
     assert diff["extra"] == [stray]  # the KV cache is in both, so not listed
-    assert bench_offload.census_diff(mine, None) is None
-    assert bench_offload.census_diff(base, base) is None
+    assert census_diff(mine, None) is None
+    assert census_diff(base, base) is None
 
     rows = [
         {"config": "offload-02", "workload": "fresh", "census_vs_unpatched": diff},
         {"config": "offload-02", "workload": "repeat", "census_vs_unpatched": diff},
         {"config": "offload-01", "workload": "fresh", "census_vs_unpatched": None},
     ]
-    lines = [x for x in bench_offload.census_lines({"runs": rows}) if x]
+    lines = [x for x in census_lines({"runs": rows}) if x]
     assert lines == [
         "Beside its weights, offload-02 holds 41.8 MB more GPU memory in tensors than its "
         "unpatched engine: 16 x float16[51, 20, 1280] (41.8 MB, held by "
@@ -834,7 +839,7 @@ def test_the_report_names_the_code_that_allocated_it():
     """With EO_ALLOC_HISTORY=1 the probe groups live allocations by the vLLM code that
     made them; the report names the sites where a configuration holds more than its
     unpatched engine (blocks present in both, the KV cache here, are not listed)."""
-    from eodev import bench_offload
+    from eodev.bench_offload.memory import census_lines, sites_diff
 
     kv = {"site": "vllm/v1/worker/gpu_model_runner.py:6100 _allocate_kv_cache", "count": 16}
     base = {"other_bytes": 4 << 30, "top": [{**kv, "bytes": 4 << 30, "sizes": [1 << 28]}]}
@@ -845,12 +850,12 @@ def test_the_report_names_the_code_that_allocated_it():
         "sizes": [1_310_720, 2_621_440],
     }
     mine = {"other_bytes": (4 << 30) + stray["bytes"], "top": [base["top"][0], stray]}
-    diff = bench_offload.sites_diff(mine, base)
+    diff = sites_diff(mine, base)
     assert diff == {"other_bytes_delta": 71_942_144, "extra": [stray]}
-    assert bench_offload.sites_diff(mine, None) is None
+    assert sites_diff(mine, None) is None
 
     rows = [{"config": "offload-02", "workload": "fresh", "alloc_sites_vs_unpatched": diff}]
-    assert [x for x in bench_offload.census_lines({"runs": rows}) if x] == [
+    assert [x for x in census_lines({"runs": rows}) if x] == [
         "Allocated beside its weights, offload-02 holds 71.9 MB more than its unpatched "
         "engine, made at: vllm/model_executor/layers/quantization/auto_gptq.py:700 "
         "create_weights (+32 blocks, 71.9 MB)."
@@ -864,12 +869,12 @@ def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
     The earlier run's group 1 divided by an engine 23% below its run's median on fresh
     prompts; the later run's did not, and 4 of its 7 misses against the earlier one are those
     rows."""
-    from eodev import bench_offload
+    from eodev.bench_offload.reproduction import baseline_offset, reproduction, reproduction_lines
 
     runs = repo_root / RUNS
     h = json.loads((runs / "suite-16l-earlier.json").read_text())
     i = json.loads((runs / "suite-16l.json").read_text())
-    rows = {(r["config"], r["workload"]): r for r in bench_offload.reproduction(i, h)}
+    rows = {(r["config"], r["workload"]): r for r in reproduction(i, h)}
     before, now = rows[("offload-02", "fresh")]["baseline_off"]
     assert before == pytest.approx(456.7 / 593.8 - 1, abs=2e-3)
     assert now == pytest.approx(0.0, abs=1e-3)
@@ -877,7 +882,7 @@ def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
         530.1 / 590.2 - 1, abs=2e-3
     )
     rep = {"against": "h", "against_date": "d", "rows": list(rows.values())}
-    text = "\n".join(bench_offload.reproduction_lines({"reproduction": rep}))
+    text = "\n".join(reproduction_lines({"reproduction": rep}))
     assert (
         "15 of 22 ratios within that run's per-repeat range; 4 of the 7 outside it divide by "
         "an unpatched engine more than 10% off its run's median." in text
@@ -887,7 +892,7 @@ def test_reproduction_names_the_baselines_off_their_runs_median(repo_root):
     # one unpatched engine in a run: nothing to compare it with
     lone = {"runs": [r for r in i["runs"] if "variant" not in r]}
     row = next(r for r in lone["runs"] if r["config"] == "offload-02")
-    assert bench_offload.baseline_offset(lone, row) is None
+    assert baseline_offset(lone, row) is None
 
 
 def test_per_request_tpot_in_the_report(repo_root):
@@ -896,7 +901,7 @@ def test_per_request_tpot_in_the_report(repo_root):
     requests ranged 1.38-2.23 ms; --cpu-offload-gb's were steady)."""
     import gzip
 
-    from eodev import bench_offload
+    from eodev.bench_offload.report import request_lines
 
     raw = repo_root / RUNS / "suite-16l"
 
@@ -915,12 +920,12 @@ def test_per_request_tpot_in_the_report(repo_root):
         row("cpu-offload-gb", "bench-cpu-offload-gb"),
         {"config": "offload-02", "workload": "fresh", "tpot_ms_by_request": [2.0]},
     ]
-    lines = bench_offload.request_lines({"runs": rows})
+    lines = request_lines({"runs": rows})
     assert "| unpatched | fresh | 18 | 1.723 +- 0.059 | 1.38-2.23 |" in lines
     assert "| offload-03-swap | fresh | 18 | 1.912 +- 0.058 | 1.48-2.20 |" in lines
     assert "| cpu-offload-gb | fresh | 18 | 2.191 +- 0.009 | 2.17-2.30 |" in lines
     assert not any("offload-02" in x for x in lines)  # one request: no spread to give
-    assert bench_offload.request_lines({"runs": rows[3:]}) == []
+    assert request_lines({"runs": rows[3:]}) == []
 
 
 def test_vram_saved_against_the_host_bytes():
@@ -929,7 +934,7 @@ def test_vram_saved_against_the_host_bytes():
     the driver's count and by torch's, the expert weights' block slack and the free bytes
     stranded in partly used segments where the probe recorded them; one table's rows are
     outside torch's allocator."""
-    from eodev.bench_offload import vram_saved, vram_saved_lines
+    from eodev.bench_offload.memory import vram_saved, vram_saved_lines
 
     base = {
         "process_vram_bytes": 27_613_200_384,
@@ -1051,7 +1056,8 @@ def test_ttft_keeps_each_first_token_and_the_report_compares_them(monkeypatch):
     stage); the report counts them against the unpatched engine's."""
     import types
 
-    from eodev import bench_offload, engine_probe
+    from eodev import engine_probe
+    from eodev.bench_offload.agreement import prefill_agreement, prefill_agreement_lines
 
     class LLM:
         def __init__(self, first: int, lp: float):
@@ -1080,21 +1086,21 @@ def test_ttft_keeps_each_first_token_and_the_report_compares_them(monkeypatch):
         return {"tasks": {"ttft_8k": t, "fresh": {}}}
 
     base = run(ref)
-    assert bench_offload.prefill_agreement(run(same), base) == {
+    assert prefill_agreement(run(same), base) == {
         "ttft_first_tokens_identical_to_unpatched": "3/3",
         "ttft_first_logprob_max_abs_diff": 0.25,
         "ttft_first_logprob_unpatched_spread": 0.0,
     }
-    got = bench_offload.prefill_agreement(run(other), base)
+    got = prefill_agreement(run(other), base)
     assert got["ttft_first_tokens_identical_to_unpatched"] == "0/3"
     old = {"ttft_ms": [1.0], "prompt_tokens": 4}  # a run made before first tokens were kept
-    assert bench_offload.prefill_agreement(run(old), base) == {}
-    assert bench_offload.prefill_agreement(base, base) == {}
+    assert prefill_agreement(run(old), base) == {}
+    assert prefill_agreement(base, base) == {}
     rows = [
         {"config": "offload-03-swap", "workload": "fresh", "variant": "offload-03-swap+stage"},
     ]
-    rows[0].update(bench_offload.prefill_agreement(run(same), base))
-    (line,) = [x for x in bench_offload.prefill_agreement_lines({"runs": rows}) if x]
+    rows[0].update(prefill_agreement(run(same), base))
+    (line,) = [x for x in prefill_agreement_lines({"runs": rows}) if x]
     assert line.endswith(
         "offload-03-swap+stage 3/3 (logprob max |diff| 0.2500; unpatched's own repeats 0.0000)."
     )
@@ -1112,7 +1118,7 @@ def test_ttft_keeps_each_first_token_and_the_report_compares_them(monkeypatch):
         "first_tokens": [{"token_id": 7, "logprob": -0.9499}] * 3
         + [{"token_id": 9, "logprob": -1.0}]
     }
-    got = bench_offload.prefill_agreement(run(steady), run(wobbly))
+    got = prefill_agreement(run(steady), run(wobbly))
     assert got["ttft_first_tokens_identical_to_unpatched"] == "3/4"
     assert got["ttft_first_logprob_max_abs_diff"] == pytest.approx(0.0335)
     assert got["ttft_first_logprob_unpatched_spread"] == pytest.approx(0.0335)

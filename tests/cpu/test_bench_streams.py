@@ -137,7 +137,8 @@ def test_prompts_are_distinct_and_take_the_domains_in_turn(plan):
 
 def test_every_engine_gets_room_for_the_largest_batch():
     from eodev import bench_streams
-    from eodev.bench_offload import parser, suite_engine
+    from eodev.bench_offload.cli import parser
+    from eodev.bench_offload.suite import suite_engine
 
     big = bench_streams.engine_overrides([1, 4, 16])
     assert big["max_num_seqs"] == 16
@@ -155,7 +156,7 @@ def test_every_engine_gets_room_for_the_largest_batch():
 
 @pytest.mark.parametrize("bad", ["0", "1,x", "", "-4"])
 def test_bad_stream_counts_are_refused(bad):
-    from eodev.bench_offload import parser
+    from eodev.bench_offload.cli import parser
 
     with pytest.raises(SystemExit) as e:
         parser().parse_args(["--model", "m", "--out", "o.json", "--streams", bad])

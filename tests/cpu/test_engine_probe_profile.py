@@ -14,7 +14,8 @@ import types
 
 import pytest
 import torch
-from eodev import bench_offload, engine_probe
+from eodev import engine_probe
+from eodev.bench_offload.profiles import profile_lines, profiles
 from torch.autograd import DeviceType
 
 
@@ -181,24 +182,20 @@ def test_the_report_sets_each_configuration_beside_its_partner():
         },
     }
     broken = {"spec": {"config": "offload-02"}, "tasks": {"profile": {"error": "no CUPTI"}}}
-    doc = {
-        "profiles": bench_offload.profiles(
-            {("offload-03-swap", 1): swap, ("offload-02", 1): broken}
-        )
-    }
+    doc = {"profiles": profiles({("offload-03-swap", 1): swap, ("offload-02", 1): broken})}
     assert list(doc["profiles"]) == [
         "offload-03-swap",
         "unpatched beside offload-03-swap",
         "offload-02",
     ]
-    text = "\n".join(bench_offload.profile_lines(doc))
+    text = "\n".join(profile_lines(doc))
     assert "| offload-03-swap | 100 | 2000.0 | 1650.0 | 17.5% |" in text
     assert "| offload-02 | - | - | - | - | profile failed: no CUPTI |" in text
     assert (
         "offload-03-swap minus unpatched: wall +200.0 us/token, GPU busy "
         "+150.0 us/token; kernels: `marlin` +100.0, `route_picks` +26.0, `attn` +0.0." in text
     )
-    assert bench_offload.profile_lines({"profiles": {}}) == []
+    assert profile_lines({"profiles": {}}) == []
 
 
 def _engine(config: str, profile: dict, **extra) -> dict:
@@ -209,9 +206,9 @@ def _engine(config: str, profile: dict, **extra) -> dict:
 def test_without_a_partner_the_unpatched_engine_of_the_run_is_the_reference():
     ref = _engine("unpatched", _prof(1800.0, 1500.0, [("marlin", 900.0)]))
     one = _engine("offload-03", _prof(1900.0, 1550.0, [("marlin", 950.0)]))
-    doc = {"profiles": bench_offload.profiles({("unpatched", 1): ref, ("offload-03", 1): one})}
+    doc = {"profiles": profiles({("unpatched", 1): ref, ("offload-03", 1): one})}
     assert list(doc["profiles"]) == ["unpatched", "offload-03"]
-    text = "\n".join(bench_offload.profile_lines(doc))
+    text = "\n".join(profile_lines(doc))
     assert (
         "offload-03 minus unpatched: wall +100.0 us/token, GPU busy +50.0 us/token; "
         "kernels: `marlin` +50.0." in text
@@ -224,9 +221,9 @@ def test_a_paired_partner_is_listed_once_and_an_error_stays_on_one_table_row():
     swap = _engine("offload-03", prof, paired_base=base)
     # bench-offload keeps the first partner as the round's unpatched run as well
     results = {("unpatched", 1): base, ("offload-03-swap", 1): swap}
-    doc = {"profiles": bench_offload.profiles(results)}
+    doc = {"profiles": profiles(results)}
     assert list(doc["profiles"]) == ["offload-03-swap", "unpatched beside offload-03-swap"]
-    assert "host reads in the task: 7" in "\n".join(bench_offload.profile_lines(doc))
+    assert "host reads in the task: 7" in "\n".join(profile_lines(doc))
     doc["profiles"]["offload-03-swap"] = {"error": "CUDA error: x | y\nmore lines"}
-    rows = [x for x in bench_offload.profile_lines(doc) if "profile failed" in x]
+    rows = [x for x in profile_lines(doc) if "profile failed" in x]
     assert rows == ["| offload-03-swap | - | - | - | - | profile failed: CUDA error: x \\| y |"]

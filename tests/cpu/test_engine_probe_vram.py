@@ -13,7 +13,8 @@ import os
 import stat
 
 import pytest
-from eodev import bench_offload, engine_probe
+from eodev import engine_probe
+from eodev.bench_offload.memory import vram_bytes
 
 
 @pytest.fixture
@@ -44,15 +45,9 @@ def test_a_process_the_driver_does_not_list_or_a_failing_tool_gives_none(fake_sm
 
 def test_the_report_prefers_the_process_figure():
     gib = 1 << 30
-    assert (
-        bench_offload._vram_bytes({"process_vram_bytes": 20 * gib, "device_used_bytes": 50 * gib})
-        == 20 * gib
-    )
-    assert (
-        bench_offload._vram_bytes({"process_vram_bytes": None, "device_used_bytes": 50 * gib})
-        == 50 * gib
-    )
-    assert bench_offload._vram_bytes({"device_used_bytes": 50 * gib}) == 50 * gib
+    assert vram_bytes({"process_vram_bytes": 20 * gib, "device_used_bytes": 50 * gib}) == 20 * gib
+    assert vram_bytes({"process_vram_bytes": None, "device_used_bytes": 50 * gib}) == 50 * gib
+    assert vram_bytes({"device_used_bytes": 50 * gib}) == 50 * gib
 
 
 def test_gpu_name_lists_each_model_once_and_is_unknown_without_the_tool(fake_smi, monkeypatch):
@@ -97,7 +92,7 @@ def test_placement_counts_uva_offload_by_parameter_and_by_layer(monkeypatch):
     count as host bytes, per layer, and the benchmark weights that layer's reads by its
     host share."""
     import torch
-    from eodev import bench_offload
+    from eodev.bench_offload.placement import uva_placement
     from vllm.model_executor.layers.fused_moe import routed_experts
 
     class Experts(torch.nn.Module):
@@ -119,11 +114,11 @@ def test_placement_counts_uva_offload_by_parameter_and_by_layer(monkeypatch):
     assert out["expert_bytes_by_layer"] == [10, 10, 10]
 
     every = set(range(4))
-    placed, share = bench_offload._uva_placement(out, 3, every)
+    placed, share = uva_placement(out, 3, every)
     assert placed == {0: every, 1: every} and share == {0: 1.0, 1: 0.6}
     # a run recorded before the per-layer bytes: whole layers, rounded
     old = {"expert_host_bytes": 16, "expert_gpu_bytes": 14}
-    assert bench_offload._uva_placement(old, 3, every) == ({0: every, 1: every}, None)
+    assert uva_placement(old, 3, every) == ({0: every, 1: every}, None)
 
 
 def test_census_names_tensors_beside_the_weights():
@@ -393,7 +388,7 @@ def test_one_table_host_experts_are_read_from_the_table(monkeypatch):
     import types
 
     import torch
-    from eodev import bench_offload
+    from eodev.bench_offload.placement import one_table_placement
     from vllm.model_executor.layers.fused_moe import routed_experts
 
     class Experts(torch.nn.Module):
@@ -409,8 +404,8 @@ def test_one_table_host_experts_are_read_from_the_table(monkeypatch):
     assert out["one_table_host_experts"] == {"3": [1, 4, 6, 7]}
 
     placed = {3: {1, 4, 6}, 5: {0}}
-    assert bench_offload._one_table_placement(out, placed) == {3: {1, 4, 6, 7}, 5: {0}}
-    assert bench_offload._one_table_placement({}, placed) == placed
+    assert one_table_placement(out, placed) == {3: {1, 4, 6, 7}, 5: {0}}
+    assert one_table_placement({}, placed) == placed
 
 
 def test_engines_run_on_their_gpus_numa_node(monkeypatch, tmp_path):

@@ -14,7 +14,7 @@ import pathlib
 
 import pytest
 from eodev import logprob_noise as lp
-from eodev.bench_offload import _from_runs
+from eodev.bench_offload.saved_runs import engine_run
 
 RUNS = pathlib.Path(__file__).resolve().parent / "data/h200-runs"
 NOISE_RUNS = RUNS / "int4-8l-unpatched-noise"
@@ -62,7 +62,7 @@ def test_bad_input_is_named():
 
 def _load(folder: pathlib.Path, name: str) -> dict:
     """The committed engine run NAME-KEY (gzip) in `folder`, found as bench-offload does."""
-    res = _from_runs(folder, name)
+    res = engine_run(folder, name)
     assert res is not None, f"no engine run {name} in {folder}"
     return res
 

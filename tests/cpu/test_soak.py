@@ -406,8 +406,9 @@ def test_growth_after_warmup():
 
 
 def test_self_check_lines_in_the_patch_format(repo_root):
-    patch = next((repo_root / "patches").glob("0010-*.patch")).read_text()
-    formats = re.findall(r'"(Expert offload: runtime swap self-check [^"]*)"', patch)
+    series = (repo_root / "patches").glob("*.patch")
+    patch = "".join(p.read_text() for p in sorted(series))
+    formats = re.findall(r'^\+.*"(Expert offload: runtime swap self-check [^"]*)"', patch, re.M)
     assert len(formats) == 2, formats
     passed = next(f for f in formats if "passed" in f)
     failed = next(f for f in formats if "FAILED" in f)
@@ -511,7 +512,7 @@ def test_usage_counts_file(tmp_path):
     }
     base = tmp_path / "counts.json"
     assert "no " in rep.check_counts_file(base)["error"]
-    # one pipeline rank of several: vLLM writes counts.pp0.json (patches/0006)
+    # one pipeline rank of several: vLLM writes counts.pp0.json (patches/0003)
     (tmp_path / "counts.pp0.json").write_text(json.dumps(counts))
     got = rep.check_counts_file(base)
     assert got["passed"] and (got["decode_picks"], got["prefill_picks"]) == (1, 3)

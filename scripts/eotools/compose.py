@@ -68,12 +68,17 @@ def _read_yaml(path: pathlib.Path) -> dict[str, Any]:
 
 
 def _resolve(
-    path: pathlib.Path, name: str, seen: tuple[tuple[pathlib.Path, str], ...] = ()
+    path: pathlib.Path,
+    name: str,
+    seen: tuple[tuple[pathlib.Path, str], ...] = (),
+    doc: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Service `name` of `path` with its `extends` merged in; `doc`: the file, if already read."""
     key = (path.resolve(), name)
     if key in seen:
         raise ValueError(f"{path}: services.{name} extends itself (through {len(seen)} files)")
-    doc = _read_yaml(path)
+    if doc is None:
+        doc = _read_yaml(path)
     services = doc.get("services") or {}
     if name not in services:
         raise ValueError(f"{path}: no service {name!r}")
@@ -104,7 +109,7 @@ def load_document(path: pathlib.Path) -> dict[str, Any]:
     YAML, or not a mapping)."""
     doc = _read_yaml(path)
     services = doc.get("services") or {}
-    return {**doc, "services": {name: _resolve(path, name) for name in services}}
+    return {**doc, "services": {name: _resolve(path, name, doc=doc) for name in services}}
 
 
 def load_service(path: pathlib.Path) -> dict[str, Any]:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pathlib
 
-from eotools.selection import expert_bytes
+from eotools.selection import GiB, expert_bytes
 
 from ..bench.configs import parse_spec
 from ..bench.uva_budget import budget_for
 from .suite import Suite, spec_slug, suite_engine
 from .workloads import decide_ab_task
-
-GiB = 1 << 30
 
 
 def _placement_env(

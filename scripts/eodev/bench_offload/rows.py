@@ -6,11 +6,10 @@ of several rounds into one row."""
 from __future__ import annotations
 
 import numpy as np
+from eotools.selection import GiB
 
 from ..bench import prefill_bound
 from .memory import census_diff, sites_diff, vram_bytes, vram_saved
-
-GiB = 1 << 30
 
 
 def run_row(

@@ -18,7 +18,7 @@ are held to the noise itself. Two kinds change the floating-point work by design
   disjoint experts each have fewer than the unsplit call;
 - offload-03 with runtime swap moves rows while it runs, so the kernel's blocks run in
   another order from step to step.
-Measured on an H200 (2026-12-01, `bench/results/2026-12-02-gpu-tests-h200.md`), those
+Measured on an H200 (2026-12-01, `bench/results/2026-12-05-gpu-tests-h200.md`), those
 rounding differences flip a near-tied top-k pick now and then, and a flipped pick moves one
 token's logprob by 0.04-0.18: offload-02 decode max 0.061 and offload-03 with swap prompt max
 0.175 against unpatched maxima of 0.055 and 0.122, with means at or below the noise's

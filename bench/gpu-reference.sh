@@ -5,8 +5,9 @@
 #
 # PART is one of
 #   models     the synthetic test models (INT4 8 and 16 layers, BF16 2 layers); every other
-#              part but table24, sweep24, streams24, prefill8k24, default24, soak24, client24,
-#              pp2 (which make the 24-layer model, freeing the disk of these when it is short)
+#              part but table24, sweep24, streams24, prefetch24, prefill8k24, default24, soak24,
+#              client24, pp2 (which make the 24-layer model, freeing the disk of these when it
+#              is short)
 #              and ple-file (its own model) makes them first
 #              if they are missing, so start this one early (while the vLLM install finishes)
 #              to save time later
@@ -41,6 +42,11 @@
 #   streams24  the same on the 24-layer model, with the swap as shipped and with +fast (a
 #              decision every step, half-life 64, margin 1: simulate-swap's best setting for
 #              mixed streams)
+#   prefetch24 decode prefetch (VLLM_EXPERT_DECODE_PREFETCH) on the 24-layer model, 1, 4, 16 and
+#              32 streams of mixed domains: unpatched, offload-03-swap+stage (the compose
+#              default), +fast, and +prefetch at 10% host (51 of 512), then the default and
+#              +prefetch at the 2x32GB default's share (134); three beside each unpatched
+#              engine: total tokens/s, TPOT, host reads per token (two units of 10-15 minutes)
 #   prefill8k24  offload-03-swap with prefill staging at 10% and 40% host beside unpatched on
 #              the 24-layer model, every engine with 8192-token prefill chunks (one copy of
 #              the host experts per 8k of prompt instead of four): TTFT 2k/8k/32k, decode
@@ -185,6 +191,10 @@ run_part() {
       model24 || return 1
       part streams24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap,offload-03-swap+fast --group 2 --streams 1,4,16 ${RUN[*]} --out OUT/streams24.json"
       ;;
+    prefetch24)
+      model24 || return 1
+      part prefetch24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap+stage,offload-03-swap+fast+stage,offload-03-swap+stage+prefetch,offload-03-swap:$HOST24+stage,offload-03-swap:$HOST24+stage+prefetch --group 3 --streams 1,4,16,32 ${RUN[*]} --out OUT/prefetch24.json"
+      ;;
     prefill8k24)
       model24 || return 1
       EO_ENGINE_EXTRA='{"max_num_batched_tokens": 8192}' part prefill8k24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap+stage,offload-03-swap:205+stage --group 2 --ttft-32k ${RUN[*]} --out OUT/prefill8k24.json"
@@ -253,7 +263,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefill8k24 | default24 | ple-cost | ple-file | soak24 | client24 | pp2) ;;
+    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefetch24 | prefill8k24 | default24 | ple-cost | ple-file | soak24 | client24 | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2
@@ -264,7 +274,7 @@ rc=0
 for p in "$@"; do
   case $p in
     models) ;;
-    table24 | sweep24 | streams24 | prefill8k24 | default24 | soak24 | client24 | pp2 | ple-file) patched || true ;; # they make their own models
+    table24 | sweep24 | streams24 | prefetch24 | prefill8k24 | default24 | soak24 | client24 | pp2 | ple-file) patched || true ;; # they make their own models
     *) models || true ;;
   esac
   run_part "$p" || rc=1

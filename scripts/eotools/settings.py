@@ -351,6 +351,24 @@ SETTINGS: tuple[Setting, ...] = (
         "the fewest tokens of a forward that prefill staging copies the host experts for",
         "vLLM",
     ),
+    _flag(
+        "VLLM_EXPERT_DECODE_PREFETCH",
+        "0",
+        "1 (experimental, with one table and prefill staging): decode steps copy the next "
+        "layer's host experts, guessed through its router, into its staging slot while this "
+        "layer computes, so kernels read host experts from VRAM",
+        "vLLM",
+        "decode prefetch",
+        "UVA reads in decode",
+    ),
+    Setting(
+        "VLLM_EXPERT_DECODE_PREFETCH_PROGRAMS",
+        integer(1, 4096),
+        "16",
+        "decode prefetch: programs of the guess's copy kernel (the SMs it may take from the "
+        "compute it overlaps)",
+        "vLLM",
+    ),
     Setting(
         "VLLM_PLE_TABLE",
         choice(("gpu", "host", "file", "auto")),

@@ -92,6 +92,12 @@ def test_config_specs():
     assert parse_spec("offload-02:26+stage") == ("offload-02", "stage", None, 26)
     assert parse_spec("offload-03-swap+stage") == ("offload-03-swap", "stage", None, None)
     assert parse_spec("offload-03-swap+fast") == ("offload-03-swap", "fast", None, None)
+    assert parse_spec("offload-03-swap+stage+prefetch") == (
+        "offload-03-swap",
+        "stage+prefetch",
+        None,
+        None,
+    )
     assert spec_slug("offload-02") == "offload-02"  # the committed raw runs' names
     assert spec_slug("offload-03-swap:26") == "offload-03-swap-h26"
     assert spec_slug("offload-02@/tmp/a") != spec_slug("offload-02@/tmp/b")
@@ -106,6 +112,8 @@ def test_config_specs():
         "offload-03+fast",
         "offload-01+stage",
         "unpatched+stage",
+        "offload-03-swap+prefetch",  # prefetch copies into staging's slots
+        "offload-02+stage+prefetch",  # and needs one table
     )
     for spec in (*bad, "unpatched:3", "offload-01:3", "offload-02:x", "offload-02:0"):
         with pytest.raises(SystemExit):
@@ -175,6 +183,14 @@ def test_the_fast_variant_sets_the_swap_policy_simulate_swap_prefers(tmp_path):
         "VLLM_EXPERT_SWAP_MARGIN": "1",
         "VLLM_EXPERT_PREFILL_STAGING": "1",
     }
+
+
+def test_the_prefetch_variant_turns_decode_prefetch_on(tmp_path):
+    from eodev.bench_offload.configs import _variant_env
+
+    env = {}
+    _variant_env(env, "stage+prefetch", "offload-03-swap", tmp_path / "b.json")
+    assert env == {"VLLM_EXPERT_PREFILL_STAGING": "1", "VLLM_EXPERT_DECODE_PREFETCH": "1"}
 
 
 def test_agreement_says_where_greedy_tokens_leave_the_unpatched_ones():

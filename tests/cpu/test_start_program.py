@@ -309,6 +309,18 @@ REFUSED = [
         {"VLLM_EXPERT_PREFILL_STAGING_MIN_TOKENS": "0"},
     ),
     case(
+        "decode-prefetch-yes",
+        SETTING,
+        ["VLLM_EXPERT_DECODE_PREFETCH='yes'", "0 or 1"],
+        {"VLLM_EXPERT_DECODE_PREFETCH": "yes"},
+    ),
+    case(
+        "decode-prefetch-programs-0",
+        SETTING,
+        ["VLLM_EXPERT_DECODE_PREFETCH_PROGRAMS='0'", "outside 1-"],
+        {"VLLM_EXPERT_DECODE_PREFETCH_PROGRAMS": "0"},
+    ),
+    case(
         "vmm-fail-at-bogus",
         SETTING,
         ["VLLM_EXPERT_VMM_FAIL_AT='bogus'", "not a name"],

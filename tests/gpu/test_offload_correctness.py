@@ -178,6 +178,33 @@ def test_int4_one_table_matches_unpatched(int4_model, int4_cold_file, int4_unpat
     _check(tag, run, int4_unpatched["2048"], int4_unpatched["noise"], reordered=swap != "off")
 
 
+def test_decode_prefetch_gives_the_tokens_of_unpatched(int4_model, int4_cold_file, int4_unpatched):
+    """One table with the runtime swap in every layer at every step, prefill staging and
+    decode prefetch (VLLM_EXPERT_DECODE_PREFETCH): the guesses are copied on a side stream
+    inside the decode CUDA graphs, and every host row a kernel reads is in its slot. Greedy
+    tokens as unpatched, logprobs within the reordered-sum tolerance (the swap moves rows)."""
+    env = {
+        "VLLM_EXPERT_COLD_FILE": str(int4_cold_file),
+        "VLLM_EXPERT_ONE_TABLE": "1",
+        "VLLM_EXPERT_SWAP_INTERVAL": "1",
+        "VLLM_EXPERT_SWAP_HALF_LIFE": "1",
+        "VLLM_EXPERT_SWAP_MARGIN": "-1",
+        "VLLM_EXPERT_SWAP_SELF_CHECK": "100",
+        "VLLM_EXPERT_PREFILL_STAGING": "1",
+        "VLLM_EXPERT_DECODE_PREFETCH": "1",
+    }
+    tag = "int4-onetable-swap-stage-prefetch-2048"
+    run = _run(tag, int4_model, True, 2048, env, stress_steps=600)
+    moe_layers = run["memory"]["moe_layers"]
+    assert run["memory"]["one_table_layers"] == moe_layers
+    log = pathlib.Path(run["log_file"]).read_text()
+    assert f"decode prefetch on {moe_layers} one-table layers" in log
+    assert "decode prefetch skips" not in log
+    assert "self-check passed" in log and "self-check FAILED" not in log
+    gh.log(f"int4 one table + swap + staging + prefetch: {json.dumps(run['swap'])}")
+    _check(tag, run, int4_unpatched["2048"], int4_unpatched["noise"], reordered=True)
+
+
 # Every VMM driver step of one table, by its fault-injection label (VLLM_EXPERT_VMM_FAIL_AT).
 # A step of the start-up probe (a host-only range) refused: the whole rank keeps two tables,
 # with one log line. A step only a layer's merge makes (its VRAM part) refused: each layer

@@ -110,12 +110,14 @@ def _add_suite_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--configs",
         default="offload-02,offload-01,unpatched,cpu-offload-gb",
-        help="comma-separated CONFIG[:N][+count][+churn|+hold|+fast][+stage][@TREE]: +count "
+        help="comma-separated CONFIG[:N][+count][+churn|+hold|+fast][+stage][+prefetch][@TREE]: "
+        "+count "
         "turns the usage-counting hook on, +churn makes offload-03-swap decide every decode "
         "step with no margin and a half-life of one step (and self-check every 500 "
         "decisions), +hold makes it count and decide as usual but never swap (the cost of "
         "counting and deciding alone, against offload-03), +fast makes it decide every step "
         "with a 64-step half-life and margin 1, +stage turns prefill staging on (offload-02/03), "
+        "+prefetch turns decode prefetch on (offload-03 and offload-03-swap, with +stage), "
         "@TREE runs another patched vLLM folder (an A/B of two series in one run); a "
         "configuration that fails is reported as failed and the others still run",
     )

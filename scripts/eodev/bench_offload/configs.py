@@ -50,9 +50,11 @@ def _placement_env(
 
 def _variant_env(env: dict[str, str], variant: str, name: str, out: pathlib.Path) -> None:
     """Add the environment of a configuration's variants (+count, +churn, +hold, +fast,
-    +stage) to `env`."""
+    +stage, +prefetch) to `env`."""
     if "stage" in variant:
         env["VLLM_EXPERT_PREFILL_STAGING"] = "1"
+    if "prefetch" in variant:
+        env["VLLM_EXPERT_DECODE_PREFETCH"] = "1"
     if "count" in variant:
         env["VLLM_EXPERT_COUNT_FILE"] = str(out.with_suffix(f".{name}.counts.json"))
     if "churn" in variant:

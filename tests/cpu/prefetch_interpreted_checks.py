@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Decode prefetch's two kernels (the series' expert_offload/decode_prefetch.py) on the CPU,
+through Triton's interpreter, against their torch references: the mark kernel (which host rows
+a batch of picks needs, each appended once, the counters) and the copy kernel (those rows'
+words, past the table's VRAM part only, by a fixed number of programs looping over the work).
+
+Triton fixes the interpreter mode when it is first imported, so these checks run in a
+process of their own, started by tests/cpu/test_decode_prefetch.py with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    raise RuntimeError(
+        "run through tests/cpu/test_decode_prefetch.py (or with TRITON_INTERPRET=1 set "
+        "before Python starts): Triton fixes the interpreter mode when it is first imported"
+    )
+from vllm.model_executor.layers.fused_moe.expert_offload import decode_prefetch as dp  # noqa: E402
+
+assert type(dp._mark_kernel).__name__ == "InterpretedFunction", "not interpreted"
+
+
+def _state(host_rows: int):
+    return (
+        torch.zeros(host_rows, dtype=torch.int32),
+        torch.full((host_rows,), -7, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(len(dp.COUNTERS), dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_mark_kernel_matches_its_reference(seed: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(seed)
+    table_rows, gpu_rows = 40 + seed, 25
+    host_rows = table_rows - gpu_rows
+    # picks of a few tokens, some repeated, with ids outside the table mixed in
+    picks = torch.randint(-2, table_rows + 2, (3 + seed, 8), generator=g).to(dtype)
+    guess = torch.randint(0, table_rows, (2, 8), generator=g).to(dtype)
+    got, want = list(_state(host_rows)), list(_state(host_rows))
+    for state, mark in ((got, dp.launch_mark), (want, dp.mark_rows_reference)):
+        marks, out, count, counters = state
+        mark(guess, gpu_rows, table_rows, marks, out, count, counters, 96, dp.GUESSED)
+        guessed = out[: int(count)].clone()
+        count.zero_()
+        mark(picks, gpu_rows, table_rows, marks, out, count, counters, 96, dp.FETCHED)
+        state.append(guessed)
+    assert int(want[3][0]) > 0 and int(want[3][1]) > 0, "the case should guess and miss"
+    assert torch.equal(got[0], want[0])  # the marks
+    assert torch.equal(got[3], want[3])  # the counters
+    n = int(want[2])
+    assert int(got[2]) == n
+    # the same rows to copy, in the order the atomics gave
+    assert sorted(got[1][:n].tolist()) == sorted(want[1][:n].tolist())
+    assert sorted(got[4].tolist()) == sorted(want[4].tolist())
+
+
+@pytest.mark.parametrize("programs", [1, 3, 16])
+def test_copy_kernel_matches_its_reference(programs: int) -> None:
+    g = torch.Generator().manual_seed(programs)
+    rows_total, gpu_rows = 12, 7
+    parts_got, parts_want = [], []
+    # rows smaller than a program's block (row 7 straddles the VRAM part: its first two
+    # words are VRAM), and rows larger than one
+    wide = dp._COPY_WORDS + 9
+    for row_words, gpu_words in ((5, gpu_rows * 5 + 2), (wide, gpu_rows * wide)):
+        src = torch.randint(-(2**62), 2**62, (rows_total * row_words,), generator=g)
+        for parts in (parts_got, parts_want):
+            dst = torch.full_like(src, -1)
+            part = dp.CopyPart(src=src, dst=dst, row_words=row_words, gpu_words=gpu_words)
+            parts.append(part)
+    rows = torch.tensor([11, 7, 9, 0, 0], dtype=torch.int32)  # the last two beyond count
+    count = torch.tensor([3], dtype=torch.int32)
+    dp.launch_copy(rows, count, parts_got, programs)
+    dp.copy_rows_reference(rows, count, parts_want)
+    for a, b in zip(parts_got, parts_want, strict=True):
+        assert torch.equal(a.dst, b.dst)
+        assert torch.equal(a.dst[: a.gpu_words], torch.full_like(a.dst[: a.gpu_words], -1))
+        w = a.row_words
+        for r in (11, 9):
+            assert torch.equal(a.dst[r * w : (r + 1) * w], a.src[r * w : (r + 1) * w])
+        lo = max(7 * w, a.gpu_words)
+        assert torch.equal(a.dst[lo : 8 * w], a.src[lo : 8 * w])

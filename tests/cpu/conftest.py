@@ -1,8 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Fixtures of the CPU tests that run layers of the patched vLLM, and the fake CUDA driver
-that the VMM tests give the series' vmm module."""
+"""Fixtures of the CPU tests that run layers of the patched vLLM, the fake CUDA driver that
+the VMM tests give the series' vmm module, and the runner of kernel checks in Triton's
+interpreter."""
 
 from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -28,3 +34,28 @@ def fake(monkeypatch):
     monkeypatch.setattr(vmm, "FAIL_AT", set())
     monkeypatch.delenv(vmm.FAIL_AT_ENV, raising=False)
     return drv
+
+
+@pytest.fixture
+def run_interpreted(repo_root):
+    """Run a checks file of tests/cpu through Triton's interpreter, in a process of its own
+    (Triton fixes the interpreter mode when it is first imported, and this process has
+    imported it compiled); fail unless exactly ``expected`` checks ran and passed (none
+    skipped or deselected)."""
+
+    def run(checks: str, expected: int) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", checks],
+            cwd=repo_root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+        assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+        assert re.fullmatch(r"=* ?\d+ passed(, \d+ warnings?)? in .*", summary), summary
+        assert int(re.search(r"(\d+) passed", summary).group(1)) == expected, summary
+
+    return run

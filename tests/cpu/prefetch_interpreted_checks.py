@@ -25,12 +25,12 @@ from vllm.model_executor.layers.fused_moe.expert_offload import decode_prefetch 
 assert type(dp._mark_kernel).__name__ == "InterpretedFunction", "not interpreted"
 
 
-def _state(host_rows: int):
-    return (
-        torch.zeros(host_rows, dtype=torch.int32),
-        torch.full((host_rows,), -7, dtype=torch.int32),
-        torch.zeros(1, dtype=torch.int32),
-        torch.zeros(len(dp.COUNTERS), dtype=torch.int64),
+def _marks(host_rows: int) -> dp.Marks:
+    return dp.Marks(
+        marks=torch.zeros(host_rows, dtype=torch.int32),
+        todo=torch.full((host_rows,), -7, dtype=torch.int32),
+        count=torch.zeros(1, dtype=torch.int32),
+        counters=torch.zeros(len(dp.COUNTERS), dtype=torch.int64),
     )
 
 
@@ -38,27 +38,26 @@ def _state(host_rows: int):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_mark_kernel_matches_its_reference(seed: int, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(seed)
-    table_rows, gpu_rows = 40 + seed, 25
-    host_rows = table_rows - gpu_rows
+    rows = dp.HostRows(gpu_rows=25, table_rows=40 + seed, row_bytes=96)
+    host_rows = rows.table_rows - rows.gpu_rows
     # picks of a few tokens, some repeated, with ids outside the table mixed in
-    picks = torch.randint(-2, table_rows + 2, (3 + seed, 8), generator=g).to(dtype)
-    guess = torch.randint(0, table_rows, (2, 8), generator=g).to(dtype)
-    got, want = list(_state(host_rows)), list(_state(host_rows))
-    for state, mark in ((got, dp.launch_mark), (want, dp.mark_rows_reference)):
-        marks, out, count, counters = state
-        mark(guess, gpu_rows, table_rows, marks, out, count, counters, 96, dp.GUESSED)
-        guessed = out[: int(count)].clone()
-        count.zero_()
-        mark(picks, gpu_rows, table_rows, marks, out, count, counters, 96, dp.FETCHED)
-        state.append(guessed)
-    assert int(want[3][0]) > 0 and int(want[3][1]) > 0, "the case should guess and miss"
-    assert torch.equal(got[0], want[0])  # the marks
-    assert torch.equal(got[3], want[3])  # the counters
-    n = int(want[2])
-    assert int(got[2]) == n
+    picks = torch.randint(-2, rows.table_rows + 2, (3 + seed, 8), generator=g).to(dtype)
+    guess = torch.randint(0, rows.table_rows, (2, 8), generator=g).to(dtype)
+    got, want = _marks(host_rows), _marks(host_rows)
+    guessed = {}
+    for m, mark in ((got, dp.launch_mark), (want, dp.mark_rows_reference)):
+        mark(guess, rows, m, dp.GUESSED)
+        guessed[id(m)] = sorted(m.todo[: int(m.count)].tolist())
+        m.count.zero_()
+        mark(picks, rows, m, dp.FETCHED)
+    assert int(want.counters[0]) > 0 and int(want.counters[1]) > 0, "should guess and miss"
+    assert guessed[id(got)] == guessed[id(want)]
+    assert torch.equal(got.marks, want.marks)
+    assert torch.equal(got.counters, want.counters)
+    n = int(want.count)
+    assert int(got.count) == n
     # the same rows to copy, in the order the atomics gave
-    assert sorted(got[1][:n].tolist()) == sorted(want[1][:n].tolist())
-    assert sorted(got[4].tolist()) == sorted(want[4].tolist())
+    assert sorted(got.todo[:n].tolist()) == sorted(want.todo[:n].tolist())
 
 
 @pytest.mark.parametrize("programs", [1, 3, 16])
@@ -75,10 +74,11 @@ def test_copy_kernel_matches_its_reference(programs: int) -> None:
             dst = torch.full_like(src, -1)
             part = dp.CopyPart(src=src, dst=dst, row_words=row_words, gpu_words=gpu_words)
             parts.append(part)
-    rows = torch.tensor([11, 7, 9, 0, 0], dtype=torch.int32)  # the last two beyond count
-    count = torch.tensor([3], dtype=torch.int32)
-    dp.launch_copy(rows, count, parts_got, programs)
-    dp.copy_rows_reference(rows, count, parts_want)
+    m = _marks(5)
+    m.todo.copy_(torch.tensor([11, 7, 9, 0, 0], dtype=torch.int32))  # two beyond the count
+    m.count.fill_(3)
+    dp.launch_copy(m, parts_got, programs)
+    dp.copy_rows_reference(m, parts_want)
     for a, b in zip(parts_got, parts_want, strict=True):
         assert torch.equal(a.dst, b.dst)
         assert torch.equal(a.dst[: a.gpu_words], torch.full_like(a.dst[: a.gpu_words], -1))

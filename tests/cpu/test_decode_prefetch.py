@@ -355,23 +355,31 @@ def test_prefill_staging_keeps_no_slot_across_forwards_beside_prefetch(monkeypat
     assert s.staged(names[0], 1024) is None and s.unstaged == 2
 
 
-def test_the_kernels_in_the_triton_interpreter(repo_root):
-    import os
-    import re
-    import subprocess
-    import sys
+def test_the_kernels_in_the_triton_interpreter(run_interpreted):
+    run_interpreted("tests/cpu/prefetch_interpreted_checks.py", 15)
 
-    checks = repo_root / "tests/cpu/prefetch_interpreted_checks.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "VLLM_TARGET_DEVICE": "cpu"}
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(checks)],
-        cwd=repo_root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
+
+def test_the_counters_are_logged_at_shutdown_and_not_before(rec, monkeypatch, caplog):
+    import logging
+
+    import vllm.envs as envs
+    from vllm.model_executor.layers.fused_moe import expert_offload
+    from vllm.model_executor.layers.fused_moe.expert_offload import decode_prefetch
+
+    p, staging, modules, _ = make(names_of(2), rec)
+    p.run(modules[0], torch.randn(2, HIDDEN), torch.tensor([[11, 12, 3]], dtype=torch.int32))
+    monkeypatch.setattr(decode_prefetch, "_prefetch", p)
+    monkeypatch.setattr(envs, "VLLM_EXPERT_DECODE_PREFETCH", True, raising=False)
+    logger = logging.getLogger(expert_offload.__name__)
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger=expert_offload.__name__):
+        expert_offload.prepare_step(None, None)
+        assert "decode prefetch since start" not in caplog.text  # never per step
+        expert_offload.shutdown()
+    c = p.counters()
+    assert (
+        f"decode prefetch since start: {c['host_picks']} host picks, {c['hit_picks']} found "
+        f"their row guessed; {c['guessed_rows']} rows guessed, {c['missed_rows']} missed; "
+        f"{c['bytes_copied']} bytes copied." in caplog.text
     )
-    summary = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert re.fullmatch(r"=* ?\d+ passed(, \d+ warnings?)? in .*", summary), summary
-    assert int(re.search(r"(\d+) passed", summary).group(1)) == 15, summary
+    assert c["host_picks"] == 2

@@ -45,50 +45,52 @@ def table():
         del src, part
 
 
-def _state(host_rows: int, device: str):
-    return (
-        torch.zeros(host_rows, dtype=torch.int32, device=device),
-        torch.zeros(host_rows, dtype=torch.int32, device=device),
-        torch.zeros(1, dtype=torch.int32, device=device),
-        torch.zeros(len(dp.COUNTERS), dtype=torch.int64, device=device),
+def _marks(host_rows: int, device: str) -> dp.Marks:
+    return dp.Marks(
+        marks=torch.zeros(host_rows, dtype=torch.int32, device=device),
+        todo=torch.zeros(host_rows, dtype=torch.int32, device=device),
+        count=torch.zeros(1, dtype=torch.int32, device=device),
+        counters=torch.zeros(len(dp.COUNTERS), dtype=torch.int64, device=device),
     )
 
 
 def test_mark_kernel_matches_its_reference():
     g = torch.Generator().manual_seed(0)
-    gpu_rows, table_rows = 300, 512
+    rows = dp.HostRows(gpu_rows=300, table_rows=512, row_bytes=ROW_BYTES)
     for tokens in (1, 4, 16, 64):
-        picks = torch.randint(-1, table_rows + 1, (tokens, 10), generator=g, dtype=torch.int32)
-        guess = torch.randint(0, table_rows, (tokens, 10), generator=g, dtype=torch.int32)
-        states = {}
+        picks = torch.randint(-1, 513, (tokens, 10), generator=g, dtype=torch.int32)
+        guess = torch.randint(0, 512, (tokens, 10), generator=g, dtype=torch.int32)
+        done = {}
         for device in ("cuda", "cpu"):
-            marks, out, count, counters = _state(table_rows - gpu_rows, device)
-            args = (gpu_rows, table_rows, marks, out, count, counters, ROW_BYTES)
-            dp.mark_rows(guess.to(device), *args, dp.GUESSED)
-            count.zero_()
-            dp.mark_rows(picks.to(device), *args, dp.FETCHED)
-            states[device] = [x.cpu() for x in (marks, out, count, counters)]
-        (m1, o1, c1, k1), (m2, o2, c2, k2) = states["cuda"], states["cpu"]
-        assert torch.equal(m1, m2) and torch.equal(k1, k2) and torch.equal(c1, c2)
-        n = int(c2)
-        assert sorted(o1[:n].tolist()) == sorted(o2[:n].tolist())
+            m = _marks(512 - 300, device)
+            dp.mark_rows(guess.to(device), rows, m, dp.GUESSED)
+            m.count.zero_()
+            dp.mark_rows(picks.to(device), rows, m, dp.FETCHED)
+            done[device] = dp.Marks(*(t.cpu() for t in (m.marks, m.todo, m.count, m.counters)))
+        a, b = done["cuda"], done["cpu"]
+        assert torch.equal(a.marks, b.marks) and torch.equal(a.counters, b.counters)
+        assert torch.equal(a.count, b.count)
+        n = int(b.count)
+        assert sorted(a.todo[:n].tolist()) == sorted(b.todo[:n].tolist())
 
 
 def test_copy_kernel_copies_host_rows_past_the_vram_part(table):
     t, part = table
     first_host = t.gpu_bytes // ROW_BYTES  # straddles: its first bytes are VRAM
-    rows = torch.tensor([ROWS - 1, first_host, first_host + 3], dtype=torch.int32, device="cuda")
-    count = torch.tensor([3], dtype=torch.int32, device="cuda")
+    rows = [ROWS - 1, first_host, first_host + 3]
+    m = _marks(ROWS, "cuda")
+    m.todo[:3] = torch.tensor(rows, dtype=torch.int32)
+    m.count.fill_(3)
     for programs in (16, dp._FALLBACK_PROGRAMS):
         part.dst.fill_(-1)
-        dp.copy_rows(rows, count, [part], programs)
+        dp.copy_rows(m, [part], programs)
         torch.cuda.synchronize()
         w = part.row_words
-        for r in rows.tolist():
+        for r in rows:
             lo = max(r * w, part.gpu_words)
             assert torch.equal(part.dst[lo : (r + 1) * w], part.src[lo : (r + 1) * w])
         assert bool((part.dst[: part.gpu_words] == -1).all())  # the VRAM part: untouched
-        copied = sum((r + 1) * w - max(r * w, part.gpu_words) for r in rows.tolist())
+        copied = sum((r + 1) * w - max(r * w, part.gpu_words) for r in rows)
         assert int((part.dst != -1).sum()) == copied  # nothing else
 
 
@@ -96,13 +98,14 @@ def test_mark_and_copy_in_a_cuda_graph_follow_each_replays_picks(table):
     t, part = table
     gpu_rows = -(-t.gpu_bytes // ROW_BYTES)  # whole rows in VRAM only
     picks = torch.zeros(4, 8, dtype=torch.int32, device="cuda")
-    marks, out, count, counters = _state(ROWS - gpu_rows, "cuda")
+    m = _marks(ROWS - gpu_rows, "cuda")
+    rows = dp.HostRows(gpu_rows=gpu_rows, table_rows=ROWS, row_bytes=ROW_BYTES)
 
     def step() -> None:
-        marks.zero_()
-        count.zero_()
-        dp.mark_rows(picks, gpu_rows, ROWS, marks, out, count, counters, ROW_BYTES, dp.FETCHED)
-        dp.copy_rows(out, count, [part], dp._FALLBACK_PROGRAMS)
+        m.marks.zero_()
+        m.count.zero_()
+        dp.mark_rows(picks, rows, m, dp.FETCHED)
+        dp.copy_rows(m, [part], dp._FALLBACK_PROGRAMS)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()
@@ -117,7 +120,7 @@ def test_mark_and_copy_in_a_cuda_graph_follow_each_replays_picks(table):
         graph.replay()
         torch.cuda.synchronize()
         host = sorted({r for r in new.reshape(-1).tolist() if r >= gpu_rows})
-        assert int(count) == len(host)
+        assert int(m.count) == len(host)
         w = part.row_words
         for r in host:
             assert torch.equal(part.dst[r * w : (r + 1) * w], part.src[r * w : (r + 1) * w])
@@ -129,15 +132,16 @@ def test_measure_copy_rate_from_host_memory(table):
     and the fallback's: the rate the overlap has to hide."""
     t, part = table
     gpu_rows = -(-t.gpu_bytes // ROW_BYTES)
-    rows = torch.arange(gpu_rows, gpu_rows + 8, dtype=torch.int32, device="cuda")
-    count = torch.tensor([8], dtype=torch.int32, device="cuda")
+    m = _marks(8, "cuda")
+    m.todo.copy_(torch.arange(gpu_rows, gpu_rows + 8, dtype=torch.int32, device="cuda"))
+    m.count.fill_(8)
     for programs in (4, 16, 32, dp._FALLBACK_PROGRAMS):
-        dp.copy_rows(rows, count, [part], programs)
+        dp.copy_rows(m, [part], programs)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(10):
-            dp.copy_rows(rows, count, [part], programs)
+            dp.copy_rows(m, [part], programs)
         end.record()
         torch.cuda.synchronize()
         us = start.elapsed_time(end) * 1000 / 10

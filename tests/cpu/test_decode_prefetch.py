@@ -383,3 +383,29 @@ def test_the_counters_are_logged_at_shutdown_and_not_before(rec, monkeypatch, ca
         f"{c['bytes_copied']} bytes copied." in caplog.text
     )
     assert c["host_picks"] == 2
+
+
+def test_the_counters_reach_metrics_every_few_steps_without_a_wait(rec, monkeypatch, tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from vllm.model_executor.layers.fused_moe.expert_offload import decode_prefetch, metrics
+    from vllm.v1.metrics import expert_offload as served
+
+    p, staging, modules, _ = make(names_of(2), rec)
+    assert p.published_counters() is None  # nothing copied before the first forward
+    p.run(modules[0], torch.randn(2, HIDDEN), torch.tensor([[11, 12, 3]], dtype=torch.int32))
+    for _ in range(decode_prefetch.PUBLISH_EVERY - 1):
+        p.prepare_step()
+    assert p.published_counters() is None  # copied every PUBLISH_EVERY steps
+    p.prepare_step()
+    want = {f"prefetch_{k}": v for k, v in p.counters().items()}
+    assert p.published_counters() == want and want["prefetch_host_picks"] == 2
+    monkeypatch.setattr(decode_prefetch, "_prefetch", p)
+    pub = metrics.RankPublisher(str(tmp_path), "dp0_pp0_tp0", {"path": "offload-03-swap"}, 60)
+    pub.close()
+    monkeypatch.setenv("VLLM_EXPERT_METRICS_DIR", str(tmp_path))
+    registry = CollectorRegistry()
+    served.register_metrics(registry)
+    text = generate_latest(registry).decode()
+    for name, value in want.items():
+        line = f'vllm:expert_offload_{name}_total{{rank="dp0_pp0_tp0"}} {float(value)}'
+        assert line in text, name

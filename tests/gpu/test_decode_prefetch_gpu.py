@@ -59,19 +59,19 @@ def test_mark_kernel_matches_its_reference():
     rows = dp.HostRows(gpu_rows=300, table_rows=512, row_bytes=ROW_BYTES)
     for tokens in (1, 4, 16, 64):
         picks = torch.randint(-1, 513, (tokens, 10), generator=g, dtype=torch.int32)
-        guess = torch.randint(0, 512, (tokens, 10), generator=g, dtype=torch.int32)
+        guess = torch.randint(0, 512, (tokens, 10), generator=g)  # expert ids, int64
+        expert_to_row = torch.randperm(512, generator=g).to(torch.int32)
         done = {}
         for device in ("cuda", "cpu"):
             m = _marks(512 - 300, device)
-            dp.mark_rows(guess.to(device), rows, m, dp.GUESSED)
-            m.count.zero_()
+            dp.mark_rows(guess.to(device), rows, m, dp.GUESSED, expert_to_row.to(device))
             dp.mark_rows(picks.to(device), rows, m, dp.FETCHED)
             done[device] = dp.Marks(*(t.cpu() for t in (m.marks, m.todo, m.count, m.counters)))
         a, b = done["cuda"], done["cpu"]
         assert torch.equal(a.marks, b.marks) and torch.equal(a.counters, b.counters)
         assert torch.equal(a.count, b.count)
         n = int(b.count)
-        assert sorted(a.todo[:n].tolist()) == sorted(b.todo[:n].tolist())
+        assert a.todo[:n].tolist() == b.todo[:n].tolist()  # in pick order
 
 
 def test_copy_kernel_copies_host_rows_past_the_vram_part(table):

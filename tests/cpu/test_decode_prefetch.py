@@ -235,9 +235,32 @@ def test_prefill_sized_forwards_and_piecewise_capture_read_host_memory(rec, monk
     rows = torch.tensor([[11, 12, 13]], dtype=torch.int32)
     big = torch.randn(MIN_TOKENS, HIDDEN)
     assert p.run(modules[0], big, rows.expand(MIN_TOKENS, -1)) is None  # staging's
-    monkeypatch.setattr(decode_prefetch, "_piecewise_capture", lambda: True)
+    monkeypatch.setattr(decode_prefetch, "_graph_capture", lambda: "piecewise")
     assert p.run(modules[0], torch.randn(1, HIDDEN), rows) is None
     assert rec.calls == [] and p.counters()["host_picks"] == 0
+
+
+def test_each_graph_kind_says_once_whether_it_prefetches(rec, monkeypatch, caplog):
+    import logging
+
+    import vllm.logger
+    from vllm.model_executor.layers.fused_moe.expert_offload import decode_prefetch
+
+    vllm.logger._print_info_once.cache_clear()  # "once" per process: other tests said it
+    p, staging, modules, _ = make(names_of(2), rec)
+    rows = torch.tensor([[11, 12, 3]], dtype=torch.int32)
+    logger = logging.getLogger(decode_prefetch.__name__)
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.INFO, logger=decode_prefetch.__name__):
+        for mode in ("piecewise", "piecewise", "full", "full"):
+            monkeypatch.setattr(decode_prefetch, "_graph_capture", lambda m=mode: m)
+            view = p.run(modules[0], torch.randn(1, HIDDEN), rows)
+            assert (view is None) == (mode == "piecewise")
+    assert caplog.text.count("decode prefetch is off in piecewise CUDA graphs") == 1
+    assert caplog.text.count("decode prefetch is captured in full CUDA graphs") == 1
+    # outside a capture (eager), nothing is said
+    monkeypatch.setattr(decode_prefetch, "_graph_capture", lambda: None)
+    assert p.run(modules[0], torch.randn(1, HIDDEN), rows) is not None
 
 
 def test_the_last_layer_and_a_next_layer_on_the_same_slot_are_not_guessed(rec):

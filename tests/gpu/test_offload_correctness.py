@@ -200,6 +200,8 @@ def test_decode_prefetch_gives_the_tokens_of_unpatched(int4_model, int4_cold_fil
     log = pathlib.Path(run["log_file"]).read_text()
     assert f"decode prefetch on {moe_layers} one-table layers" in log
     assert "decode prefetch skips" not in log
+    # the decode steps ran it inside their CUDA graphs, not only in eager warm-up
+    assert "decode prefetch is captured in full CUDA graphs" in log
     assert "self-check passed" in log and "self-check FAILED" not in log
     gh.log(f"int4 one table + swap + staging + prefetch: {json.dumps(run['swap'])}")
     _check(tag, run, int4_unpatched["2048"], int4_unpatched["noise"], reordered=True)

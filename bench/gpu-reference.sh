@@ -46,7 +46,9 @@
 #              32 streams of mixed domains: unpatched, offload-03-swap+stage (the compose
 #              default), +fast, and +prefetch at 10% host (51 of 512), then the default and
 #              +prefetch at the 2x32GB default's share (134); three beside each unpatched
-#              engine: total tokens/s, TPOT, host reads per token (two units of 10-15 minutes)
+#              engine: total tokens/s, TPOT, host reads per token (two units of 10-15 minutes;
+#              EO_PREFETCH24_CONFIGS runs a subset, e.g. unpatched,offload-03-swap+stage,
+#              offload-03-swap+stage+prefetch for the 10% share alone)
 #   prefill8k24  offload-03-swap with prefill staging at 10% and 40% host beside unpatched on
 #              the 24-layer model, every engine with 8192-token prefill chunks (one copy of
 #              the host experts per 8k of prompt instead of four): TTFT 2k/8k/32k, decode
@@ -193,7 +195,8 @@ run_part() {
       ;;
     prefetch24)
       model24 || return 1
-      part prefetch24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs unpatched,offload-03-swap+stage,offload-03-swap+fast+stage,offload-03-swap+stage+prefetch,offload-03-swap:$HOST24+stage,offload-03-swap:$HOST24+stage+prefetch --group 3 --streams 1,4,16,32 ${RUN[*]} --out OUT/prefetch24.json"
+      local configs=${EO_PREFETCH24_CONFIGS:-unpatched,offload-03-swap+stage,offload-03-swap+fast+stage,offload-03-swap+stage+prefetch,offload-03-swap:$HOST24+stage,offload-03-swap:$HOST24+stage+prefetch}
+      part prefetch24 "bench:--model $M/target-int4-24l --host-experts-per-layer 51 --configs $configs --group 3 --streams 1,4,16,32 ${RUN[*]} --out OUT/prefetch24.json"
       ;;
     prefill8k24)
       model24 || return 1

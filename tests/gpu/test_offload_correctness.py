@@ -89,7 +89,7 @@ def int4_unpatched(int4_model):
     by side on the GPU, the first alone until it has filled a cold compile cache: what an
     engine computes does not depend on what else runs on the GPU (each is its own process,
     and the kernels' launch shapes depend on the device, not on its load), and one after
-    another they took 388-574 s of a GPU host's lease."""
+    another they took 388-574 s on a GPU host."""
     # vLLM's start-up check of free GPU memory, for five engines at once
     share = float(os.environ.get("EO_GPU_MEMORY_UTILIZATION") or round(1 / len(UNPATCHED_RUNS), 2))
     members = [

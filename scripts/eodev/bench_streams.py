@@ -98,20 +98,28 @@ def lines(doc: dict) -> list[str]:
     got = doc.get("streams") or []
     if not got:
         return []
+    prefetch = any("prefetch" in r for r in got)
     out = [
         "",
         "Many streams (mixed domains, decoded together): total decode tokens/s, median of the "
         "repeats (every repeat in brackets), TPOT over all requests, and with the runtime "
-        "swap its host reads and swaps per token.",
+        "swap its host reads and swaps per token"
+        + (
+            "; with decode prefetch, the share of host picks whose row the guess had copied "
+            "and the MB copied per decode step (guessed and missed rows)."
+            if prefetch
+            else "."
+        ),
         "",
         "| config | streams | total decode tok/s | vs unpatched | TPOT p50 / p90 ms "
-        "| host reads/token | swaps/token |",
-        "|---|---:|---|---|---|---|---|",
+        "| host reads/token | swaps/token |"
+        + (" prefetch hits | MB copied/step |" if prefetch else ""),
+        "|---|---:|---|---|---|---|---|" + ("---|---|" if prefetch else ""),
     ]
     for r in got:
         ratio = r.get("total_vs_unpatched")
         reads, swaps = r.get("host_reads_per_token"), r.get("swaps_per_token")
-        out.append(
+        line = (
             f"| {r['variant']} | {r['streams']} | {np.median(r['total_decode_tok_s']):.1f} "
             f"({', '.join(f'{x:.1f}' for x in r['total_decode_tok_s'])}) | "
             f"{'-' if ratio is None else f'{ratio:.3f}x'} | "
@@ -119,6 +127,14 @@ def lines(doc: dict) -> list[str]:
             f"{'-' if reads is None else f'{reads:.2f}'} | "
             f"{'-' if swaps is None else f'{swaps:.3f}'} |"
         )
+        if prefetch:
+            pf = r.get("prefetch") or {}
+            hits, per_step = pf.get("hit_share"), pf.get("bytes_copied_per_step")
+            line += (
+                f" {'-' if hits is None else f'{hits:.3f}'} |"
+                f" {'-' if per_step is None else f'{per_step / 1e6:.1f}'} |"
+            )
+        out.append(line)
     return out
 
 

@@ -640,16 +640,23 @@ def _streams(llm, task: dict) -> dict:
     out, used = [], 0
     for n in task["streams"]:
         tok_s, itl, reads, swaps, decoded, counted = [], [], 0, 0, 0, False
+        steps, prefetch = 0, None
         for rep in range(warmup + task.get("repeats", 3)):
             batch = [prompts[(used + i) % len(prompts)] for i in range(n)]
             used += n
             with BATON.turn():
                 before = merge_swap_counters(llm.apply_model(_swap_counters))
+                pf_before = merge_prefetch_counters(llm.apply_model(_prefetch_counters))
                 rids = [f"s{n}-{rep}-{i}" for i in range(n)]
                 stamps = _timed_batch(engine, rids, batch, params)
                 after = merge_swap_counters(llm.apply_model(_swap_counters))
+                pf_after = merge_prefetch_counters(llm.apply_model(_prefetch_counters))
             if rep < warmup:
                 continue
+            if pf_after is not None:
+                prefetch = prefetch or dict.fromkeys(pf_after, 0)
+                for k, v in pf_after.items():
+                    prefetch[k] += v - (pf_before or {}).get(k, 0)
             tokens = sum(len(s) - 1 for s in stamps)
             tok_s.append(tokens / (max(s[-1] for s in stamps) - min(s[0] for s in stamps)))
             itl += [(b - a) * 1e3 for s in stamps for a, b in zip(s, s[1:], strict=False)]
@@ -658,6 +665,7 @@ def _streams(llm, task: dict) -> dict:
                 counted = True
                 reads += sum(after["host_reads"]) - (sum(before["host_reads"]) if before else 0)
                 swaps += sum(after["swaps"]) - (sum(before["swaps"]) if before else 0)
+                steps += after["decode_steps"] - (before["decode_steps"] if before else 0)
         itl.sort()
         row = {
             "streams": n,
@@ -669,8 +677,23 @@ def _streams(llm, task: dict) -> dict:
         if counted:  # the runtime swap's own counters over the measured repeats
             row["host_reads_per_token"] = reads / decoded
             row["swaps_per_token"] = swaps / decoded
+        if prefetch is not None:
+            row["prefetch"] = prefetch_summary(prefetch, decoded, steps if counted else 0)
         out.append(row)
     return {"by_streams": out}
+
+
+def prefetch_summary(delta: dict[str, int], decoded: int, steps: int) -> dict[str, Any]:
+    """Decode prefetch's counters over a measurement, with the shares a reader wants: the
+    host picks whose row the guess had copied, and the bytes copied per token and per
+    decode step (None without a count to divide by)."""
+    picks = delta.get("host_picks", 0)
+    return {
+        **delta,
+        "hit_share": delta.get("hit_picks", 0) / picks if picks else None,
+        "bytes_copied_per_token": delta.get("bytes_copied", 0) / decoded if decoded else None,
+        "bytes_copied_per_step": delta.get("bytes_copied", 0) / steps if steps else None,
+    }
 
 
 def _ttft(llm, task: dict) -> dict:
@@ -964,6 +987,7 @@ def run(config: dict) -> dict:
     for task in config.get("tasks", []):
         t = time.perf_counter()
         before = merge_swap_counters(llm.apply_model(_swap_counters))
+        pf_before = merge_prefetch_counters(llm.apply_model(_prefetch_counters))
         whole = contextlib.nullcontext() if task["kind"] in _PER_REQUEST else BATON.turn()
         with whole:
             result["tasks"][task["name"]] = TASKS[task["kind"]](llm, task)
@@ -973,6 +997,11 @@ def run(config: dict) -> dict:
             result["tasks"][task["name"]]["swap_delta"] = {
                 k: sum(after[k]) - (sum(before[k]) if before else 0)
                 for k in ("host_reads", "swaps")
+            }
+        pf_after = merge_prefetch_counters(llm.apply_model(_prefetch_counters))
+        if pf_after is not None:  # decode prefetch's counters over this task
+            result["tasks"][task["name"]]["prefetch_delta"] = {
+                k: v - (pf_before or {}).get(k, 0) for k, v in pf_after.items()
             }
     result["memory"]["host_peak_rss_bytes"] = _vm_hwm_bytes()
     result["swap"] = merge_swap_counters(llm.apply_model(_swap_counters))
@@ -1019,6 +1048,25 @@ def merge_swap_counters(parts: list[dict[str, Any] | None]) -> dict[str, Any] | 
     for key in ("layers", "host_reads", "swaps"):
         out[key] = [x for p in live for x in p[key]]
     return out
+
+
+def merge_prefetch_counters(parts: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """Decode prefetch's counters of every pipeline rank summed; None where no rank runs it."""
+    live = [p for p in parts if p is not None]
+    if not live:
+        return None
+    return {k: sum(p.get(k, 0) for p in live) for k in live[0]}
+
+
+def _prefetch_counters(model) -> dict[str, int] | None:
+    """Decode prefetch's counters since start (VLLM_EXPERT_DECODE_PREFETCH=1; waits for the
+    GPU), None where it is off or the series lacks it."""
+    try:
+        from vllm.model_executor.layers.fused_moe.expert_offload import decode_prefetch
+    except ImportError:  # unpatched vLLM, or a series without decode prefetch
+        return None
+    prefetch = decode_prefetch.get_prefetch()
+    return None if prefetch is None else prefetch.counters()
 
 
 def _swap_counters(model) -> dict[str, Any] | None:

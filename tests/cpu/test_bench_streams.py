@@ -107,6 +107,74 @@ def test_without_a_runtime_swap_no_reads_are_claimed(monkeypatch):
     assert "host_reads_per_token" not in row and "swaps_per_token" not in row
 
 
+def test_decode_prefetch_counters_are_taken_over_the_measured_repeats(monkeypatch):
+    from eodev import engine_probe
+    from vllm.model_executor.layers.fused_moe.expert_offload import (
+        decode_prefetch,
+        swap_runtime,
+    )
+
+    clock = [0.0]
+    counters = {"layers": [0], "host_reads": [0], "swaps": [0]}
+    steps = [0]
+    # per step: 4 host picks, 3 of them in rows the guess copied (2 rows guessed, 1
+    # missed), 1 MB per copied row
+    totals = dict.fromkeys(decode_prefetch.COUNTERS, 0)
+
+    class _Counting(_FakeEngine):
+        def step(self):
+            steps[0] += 1
+            for k, v in (
+                ("guessed_rows", 2),
+                ("missed_rows", 1),
+                ("host_picks", 4),
+                ("hit_picks", 3),
+                ("bytes_copied", 3 << 20),
+            ):
+                totals[k] += v
+            return super().step()
+
+    class _Runtime:  # the swap runtime: its decode steps read when asked
+        state = object()
+        decisions = 0
+        decode_steps = property(lambda self: steps[0])
+
+        def counters(self):
+            return {k: list(v) for k, v in counters.items()}
+
+    runtime = _Runtime()
+    prefetch = types.SimpleNamespace(counters=lambda: dict(totals))
+    monkeypatch.setattr(swap_runtime, "get_runtime", lambda: runtime)
+    monkeypatch.setattr(decode_prefetch, "get_prefetch", lambda: prefetch)
+    monkeypatch.setattr(engine_probe.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(engine_probe, "BATON", engine_probe.Baton(None))
+    llm = _Counting(clock, counters)
+    tokens = 5
+    task = {"prompts": [[i] for i in range(20)], "streams": [2], "max_tokens": tokens, "repeats": 2}
+    [row] = engine_probe._streams(llm, task)["by_streams"]
+
+    # two measured repeats of `tokens` steps each; the warm-up's steps are not counted
+    pf = row["prefetch"]
+    assert pf["host_picks"] == 2 * tokens * 4 and pf["hit_picks"] == 2 * tokens * 3
+    assert pf["hit_share"] == pytest.approx(0.75)
+    assert pf["bytes_copied_per_step"] == pytest.approx(3 << 20)
+    assert pf["bytes_copied_per_token"] == pytest.approx(2 * tokens * (3 << 20) / row["decoded"])
+
+
+def test_without_decode_prefetch_no_prefetch_numbers_are_claimed(monkeypatch):
+    from eodev import engine_probe
+
+    clock = [0.0]
+    monkeypatch.setattr(engine_probe, "_swap_counters", lambda model: None)
+    monkeypatch.setattr(engine_probe, "_prefetch_counters", lambda model: None)
+    monkeypatch.setattr(engine_probe.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(engine_probe, "BATON", engine_probe.Baton(None))
+    llm = _FakeEngine(clock, {"host_reads": [0], "swaps": [0]})
+    task = {"prompts": [[1], [2], [3]], "streams": [2], "max_tokens": 3, "repeats": 1}
+    [row] = engine_probe._streams(llm, task)["by_streams"]
+    assert "prefetch" not in row
+
+
 @pytest.fixture(scope="module")
 def plan(repo_root, tmp_path_factory):
     from eodev.testmodel.plant import load_plan
@@ -200,6 +268,13 @@ def test_rows_take_their_ratio_from_the_unpatched_engine_at_the_same_n():
     assert "| offload-03-swap | 16 | 3650.0 (3600.0, 3700.0, 3650.0) | 0.912x |" in table
     assert "| 0.31 | 0.012 |" in table and "| unpatched | 1 | 510.0" in table
     assert bench_streams.lines({"streams": []}) == []
+    assert "prefetch hits" not in table
+
+    rows[3]["prefetch"] = {"hit_share": 0.8125, "bytes_copied_per_step": 12.5e6}
+    table = "\n".join(bench_streams.lines({"streams": rows}))
+    assert "| 0.31 | 0.012 | 0.812 | 12.5 |" in table
+    unpatched = "| unpatched | 1 | 510.0 (500.0, 520.0, 510.0) | 1.000x | 1.900 / 2.280 |"
+    assert unpatched + " - | - | - | - |" in table
 
 
 def test_the_plot_draws_the_patched_rows_against_their_unpatched_engine(tmp_path):

@@ -263,6 +263,33 @@ def test_each_graph_kind_says_once_whether_it_prefetches(rec, monkeypatch, caplo
     assert p.run(modules[0], torch.randn(1, HIDDEN), rows) is not None
 
 
+@pytest.mark.parametrize(
+    ("capturing", "mode", "kind"),
+    [
+        (False, "FULL", None),  # eager: no capture
+        (True, "PIECEWISE", "piecewise"),  # the pieces between attention layers
+        (True, "FULL", "full"),  # the V1 runner's full capture
+        # the gpu/ runner (vLLM 0.29's default) captures a plain forward in one graph
+        (True, "NONE", "full"),
+        (True, None, "piecewise"),  # no forward context says: the safe side
+    ],
+)
+def test_the_graph_kind_follows_how_the_runner_captures(monkeypatch, capturing, mode, kind):
+    import vllm.forward_context
+    from vllm.config import CUDAGraphMode
+    from vllm.model_executor.layers.fused_moe.expert_offload import decode_prefetch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+
+    def context():
+        assert mode is not None, "Forward context is not set."
+        return types.SimpleNamespace(cudagraph_runtime_mode=CUDAGraphMode[mode])
+
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", context)
+    assert decode_prefetch._graph_capture() == kind
+
+
 def test_the_last_layer_and_a_next_layer_on_the_same_slot_are_not_guessed(rec):
     # layers 0 and 2 registered (layer 1 has no router): both read slot 0, so layer 0's
     # guess for layer 2 would overwrite rows layer 0's kernel is about to read

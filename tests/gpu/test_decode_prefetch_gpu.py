@@ -71,7 +71,10 @@ def test_mark_kernel_matches_its_reference():
         assert torch.equal(a.marks, b.marks) and torch.equal(a.counters, b.counters)
         assert torch.equal(a.count, b.count)
         n = int(b.count)
-        assert a.todo[:n].tolist() == b.todo[:n].tolist()  # in pick order
+        # the same rows to copy, each once (which of a row's repeated picks claims it,
+        # and so the order, is the GPU's)
+        got = a.todo[:n].tolist()
+        assert sorted(got) == sorted(b.todo[:n].tolist()) and len(set(got)) == n
 
 
 def test_copy_kernel_copies_host_rows_past_the_vram_part(table):

@@ -363,10 +363,35 @@ def test_the_setting_makes_one_prefetch_and_stops_staging_keeping_slots(monkeypa
     assert staging.keep_slots_across_forwards
     monkeypatch.setattr(envs, "VLLM_EXPERT_DECODE_PREFETCH", True, raising=False)
     monkeypatch.setattr(envs, "VLLM_EXPERT_DECODE_PREFETCH_PROGRAMS", 8, raising=False)
-    p = decode_prefetch.for_registration(staging)
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    config = VllmConfig()
+    config.scheduler_config.max_num_seqs = 24
+    with set_current_vllm_config(config):
+        p = decode_prefetch.for_registration(staging)
     assert p is decode_prefetch.for_registration(staging) and p.programs == 8
+    # decode-sized forwards: one token per sequence the scheduler may run
+    assert p.max_tokens == 24
     assert not staging.keep_slots_across_forwards
     decode_prefetch.reset()
+
+
+def test_a_forward_larger_than_a_decode_batch_reads_host_memory(rec):
+    from vllm.model_executor.layers.fused_moe.expert_offload.decode_prefetch import (
+        DecodePrefetch,
+    )
+
+    names = names_of(2)
+    p = DecodePrefetch(FakeStaging(names), 4, max_tokens=4)
+    modules = [layer(n, i) for i, n in enumerate(names)]
+    assert all(p.register(m) for m in modules)
+    rows = torch.tensor([[11, 12, 13]], dtype=torch.int32)
+    # five tokens: a short prompt that staging does not take; no guess, no copy
+    assert p.run(modules[0], torch.randn(5, HIDDEN), rows.expand(5, -1)) is None
+    assert rec.calls == [] and p.counters()["host_picks"] == 0 and not p._pending
+    # four: a decode batch
+    assert p.run(modules[0], torch.randn(4, HIDDEN), rows.expand(4, -1)) is not None
+    assert p.counters()["host_picks"] > 0 and set(p._pending) == {names[1]}
 
 
 def test_the_setting_without_one_table_staging_says_it_does_nothing(monkeypatch, caplog):

@@ -8,12 +8,15 @@ unpatched or the patched vLLM first on PYTHONPATH:
 - EO_VLLM_PATCHED: a folder holding only a patched copy of its ``vllm/`` package;
 - EO_GPU_WORK: where models, cold files and results are cached (default /tmp/eo-gpu).
 
-Results are cached by configuration, so tests that need the same run share it.
+Results are cached by configuration, so tests that need the same run share it. Processes side
+by side share the cache too: one that wants a model or run another is making waits for it
+(a lock file beside it) and then reads it, instead of making it again beside it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1]
 WORK = pathlib.Path(os.environ.get("EO_GPU_WORK", "/tmp/eo-gpu"))
@@ -47,15 +51,42 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def held(*paths: pathlib.Path) -> Iterator[None]:
+    """Exclusive locks on ``paths`` (a ``.lock`` file beside each), taken in sorted order so
+    that two holders of overlapping sets cannot deadlock; released on exit, or when the
+    process dies."""
+    with contextlib.ExitStack() as stack:
+        for path in sorted(set(paths)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(path.with_name(path.name + ".lock"), "w"))
+            if not _try_lock(lock):
+                log(f"waiting for another process making {path.name}")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _try_lock(lock) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def make_model(name: str, *args: str) -> pathlib.Path:
-    """A make-test-model checkpoint under WORK/models/<name>, made once."""
+    """A make-test-model checkpoint under WORK/models/<name>, made once (by one process of
+    several that want it; the others wait for it)."""
     out = WORK / "models" / name
     done = out / ".complete"
-    if not done.exists():
-        log(f"making test model {name}: {' '.join(args)}")
-        cmd = [sys.executable, str(SCRIPTS / "make-test-model"), str(out), "--force", *args]
-        subprocess.run(cmd, check=True)
-        done.write_text("ok\n")
+    if done.exists():
+        return out
+    with held(out):
+        if not done.exists():
+            log(f"making test model {name}: {' '.join(args)}")
+            cmd = [sys.executable, str(SCRIPTS / "make-test-model"), str(out), "--force", *args]
+            subprocess.run(cmd, check=True)
+            done.write_text("ok\n")
     return out
 
 
@@ -133,18 +164,21 @@ def run_engine(
     run = _Run(name, config, patched, tree)
     if run.result_file.exists():
         return run.result()
-    t0 = time.time()
-    with open(run.log_file, "w") as lf:
-        r = subprocess.run(
-            [*_PROBE, *run.start()],
-            env=engine_env(patched, tree),
-            stdout=lf,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-        )
-    run.check(r.returncode)
-    log(f"engine run {name} done in {time.time() - t0:.0f} s")
-    return run.result()
+    with held(run.result_file):
+        if run.result_file.exists():  # another process made it while this one waited
+            return run.result()
+        t0 = time.time()
+        with open(run.log_file, "w") as lf:
+            r = subprocess.run(
+                [*_PROBE, *run.start()],
+                env=engine_env(patched, tree),
+                stdout=lf,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
+        run.check(r.returncode)
+        log(f"engine run {name} done in {time.time() - t0:.0f} s")
+        return run.result()
 
 
 def run_engine_pair(
@@ -191,6 +225,21 @@ def run_engine_group(
         runs.append(_Run(name, {**config, "paired_with": others}, patched, tree))
     if all(r.result_file.exists() for r in runs):
         return [r.result() for r in runs]
+    with held(*(r.result_file for r in runs)):
+        if all(r.result_file.exists() for r in runs):  # made while this process waited
+            return [r.result() for r in runs]
+        return _run_group(runs, members, timeout, probe, stagger)
+
+
+def _run_group(
+    runs: list[_Run],
+    members: list[tuple[str, dict, bool, str | None]],
+    timeout: float,
+    probe: list[str] | None,
+    stagger: int,
+) -> list[dict | RuntimeError]:
+    """run_engine_group's engines, started and handed turns (its caller holds their locks)."""
+    names = [r.name for r in runs]
     procs: list[subprocess.Popen] = []
     logs, channels = [], []
     started: dict[int, bool] = {}  # member -> said it started (True) or died (False)

@@ -201,3 +201,51 @@ def test_an_engine_that_hangs_in_a_request_fails_the_unit_without_raising(tmp_pa
     out = gh.run_engine_group(members, timeout=3, probe=[sys.executable, str(FAKE)])
     assert all(isinstance(x, RuntimeError) for x in out)
     assert "killed at the deadline" in str(out[1])
+
+
+def test_processes_that_want_one_group_run_it_once(tmp_path, monkeypatch):
+    # two callers at once (threads here; processes on a GPU host): the second waits for the
+    # first's lock and reads its results instead of starting the same engines beside them
+    import threading
+
+    got: list = []
+    callers = [
+        threading.Thread(target=lambda: got.append(_pair(tmp_path, monkeypatch, 3, 3, 0.3)))
+        for _ in range(2)
+    ]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=120)
+    assert len(got) == 2
+    assert got[0][0]["started"] == got[1][0]["started"]  # one leader engine, not two
+    assert got[0][1]["spans"] == got[1][1]["spans"]
+    assert list(tmp_path.glob("runs/*.json.lock"))  # the locks are files beside the results
+
+
+def test_processes_that_want_one_test_model_make_it_once(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from eodev import gpu_harness as gh
+
+    monkeypatch.setattr(gh, "WORK", tmp_path)
+    made = []
+
+    def make(cmd, check):
+        made.append(cmd)
+        time.sleep(0.3)  # long enough for the others to find the lock taken
+        pathlib.Path(cmd[2]).mkdir(parents=True)  # a second maker would fail here
+
+    monkeypatch.setattr(gh.subprocess, "run", make)
+    got: list = []
+    callers = [
+        threading.Thread(target=lambda: got.append(gh.make_model("m", "--layers", "2")))
+        for _ in range(3)
+    ]
+    for c in callers:
+        c.start()
+    for c in callers:
+        c.join(timeout=30)
+    assert len(made) == 1 and got == [tmp_path / "models" / "m"] * 3
+    assert (tmp_path / "models" / "m" / ".complete").exists()

@@ -13,6 +13,11 @@
 #              to save time later
 #   tests      every GPU test (tests/gpu), correctness and kernels, with the measurements
 #              (kernel timings, the PLE tables' cost)
+#   tests-split  the GPU tests of the Qwen3-MoE test models (not Qwen4Exp's, PP or PLE) in
+#              several processes side by side: the kernel files alone first (their timings),
+#              then the unpatched reference runs and BF16, then four groups of engine tests at
+#              EO_GPU_MEMORY_UTILIZATION=0.1 that read those runs (about 15-20 minutes on an
+#              H200; summary.txt lists every PASSED/FAILED/ERROR line)
 #   decode     five engines side by side at 10% host on the 16-layer model: unpatched,
 #              offload-02, offload-03, offload-03-swap, --cpu-offload-gb
 #   sweep      the whole suite: decode's group, offload-01, and offload-03-swap against
@@ -127,6 +132,38 @@ models() {
   patched
 }
 
+# tests-split: one scripts/test-gpu process per call, its log in R/tests-split/NAME.log
+tg() {
+  local name=$1
+  shift
+  timeout "$budget" scripts/test-gpu "$@" -rA -s --durations=0 > "$R/tests-split/$name.log" 2>&1
+}
+
+tests_split() {
+  local rc=0 pids=() pid
+  mkdir -p "$R/tests-split"
+  tg kernels tests/gpu/test_vmm_gpu.py tests/gpu/test_swap_kernels_gpu.py \
+    tests/gpu/test_expert_map_kernels.py tests/gpu/test_shared_expert_split.py \
+    tests/gpu/test_decode_prefetch_gpu.py --measurements || rc=1
+  # engine tests share the GPU from here on; the first makes the reference runs (five
+  # unpatched engines side by side) that the others read
+  export EO_GPU_MEMORY_UTILIZATION=${EO_GPU_MEMORY_UTILIZATION:-0.1}
+  tg reference $T -k "split_experts_match_unpatched and 2048 or bf16" || rc=1
+  tg one-table $T -k "one_table_matches_unpatched or decode_prefetch" &
+  pids+=($!)
+  tg refused $T -k refused &
+  pids+=($!)
+  tg offload02 $T -k "split_experts_match_unpatched and 512 or memory_moves or host_layer" &
+  pids+=($!)
+  tg staging tests/gpu/test_prefill_staging_gpu.py tests/gpu/test_prefill_staging_one_table_gpu.py \
+    tests/gpu/test_counting_engine.py tests/gpu/test_smoke.py &
+  pids+=($!)
+  for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+  grep -h "^PASSED\|^FAILED\|^ERROR\|^SKIPPED" "$R/tests-split"/*.log > "$R/tests-split/summary.txt"
+  date -u +%FT%TZ > "$R/tests-split.done"
+  return $rc
+}
+
 # the 24-layer model (31 GiB; with the 8- and 16-layer ones a 64 GiB disk is full, so those
 # two go first when space is short)
 model24() {
@@ -152,6 +189,7 @@ run_part() {
   case $1 in
     models) models ;;
     tests) part tests "tests:tests/gpu -rA -s --measurements" ;;
+    tests-split) tests_split ;;
     decode)
       part decode "bench:${HOST10[*]} --configs unpatched,offload-02,offload-03,offload-03-swap,cpu-offload-gb --group 4 ${RUN[*]} --out OUT/decode.json"
       ;;
@@ -266,7 +304,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefetch24 | prefill8k24 | default24 | ple-cost | ple-file | soak24 | client24 | pp2) ;;
+    models | tests | tests-split | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefetch24 | prefill8k24 | default24 | ple-cost | ple-file | soak24 | client24 | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2

@@ -251,6 +251,11 @@ def test_each_graph_kind_says_once_whether_it_prefetches(rec, monkeypatch, caplo
     rows = torch.tensor([[11, 12, 3]], dtype=torch.int32)
     logger = logging.getLogger(decode_prefetch.__name__)
     monkeypatch.setattr(logger, "propagate", True)
+    # before any eager forward has made its bookkeeping, a full capture leaves it out
+    monkeypatch.setattr(decode_prefetch, "_graph_capture", lambda: "full")
+    assert p.run(modules[0], torch.randn(1, HIDDEN), rows) is None and not p._marks
+    monkeypatch.setattr(decode_prefetch, "_graph_capture", lambda: None)
+    assert p.run(modules[0], torch.randn(1, HIDDEN), rows) is not None  # eager: made
     with caplog.at_level(logging.INFO, logger=decode_prefetch.__name__):
         for mode in ("piecewise", "piecewise", "full", "full"):
             monkeypatch.setattr(decode_prefetch, "_graph_capture", lambda m=mode: m)

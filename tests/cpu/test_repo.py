@@ -103,6 +103,7 @@ TOOLS_WITH_PACKAGES = (
     "bench-host-read",
     "bench-ple-read",
     "bench-ple-file",
+    "bench-cpu-experts",
     "prepare-tiny-model",
 )
 

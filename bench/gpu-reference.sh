@@ -24,6 +24,8 @@
 #              --cpu-offload-gb at 5, 20 and 40% host
 #   memory     unpatched and offload-02 side by side: VRAM saved, host memory
 #   host-read  the cost of one host-resident expert read, by path
+#   cpu-experts  a decode step's host experts computed on this host's CPU (INT4, 1-4 tokens
+#              each) beside the PCIe time of moving them (scripts/bench-cpu-experts; no GPU)
 #   profile    offload-03-swap beside its unpatched engine, each profiled alone
 #   serve      compose/tiny.yml's service without a container engine, with a short benchmark
 #   prefill    offload-02 with and without prefill staging (VLLM_EXPERT_PREFILL_STAGING) beside
@@ -204,6 +206,14 @@ run_part() {
       PYTHONPATH=scripts:${EO_VLLM_PATCHED:-/tmp/vllm-patched}:$EO_VLLM_SITE timeout 300 \
         python3 scripts/bench-host-read --out "$R/host-read/host_read.json" > "$R/host-read/host_read.log" 2>&1
       ;;
+    cpu-experts)
+      mkdir -p "$R/cpu-experts"
+      PYTHONPATH=scripts:$EO_VLLM_SITE timeout 900 python3 scripts/bench-cpu-experts \
+        --out "$R/cpu-experts/cpu_experts.json" > "$R/cpu-experts/cpu_experts.log" 2>&1
+      local rc=$?
+      date -u +%FT%TZ > "$R/cpu-experts.done"
+      return $rc
+      ;;
     profile)
       part profile "bench:${HOST10[*]} --host-layers 0,1 --configs unpatched,offload-03-swap --paired --profile --decode-tokens 256 --repeats 1 --host-read-us 55.5 --out OUT/profile.json"
       ;;
@@ -304,7 +314,7 @@ run_part() {
 (($# > 0)) || set -- models tests decode memory host-read
 for p in "$@"; do
   case $p in
-    models | tests | tests-split | decode | sweep | memory | host-read | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefetch24 | prefill8k24 | default24 | ple-cost | ple-file | soak24 | client24 | pp2) ;;
+    models | tests | tests-split | decode | sweep | memory | host-read | cpu-experts | profile | serve | prefill | table24 | sweep24 | prefill8k | streams | streams24 | prefetch24 | prefill8k24 | default24 | ple-cost | ple-file | soak24 | client24 | pp2) ;;
     *)
       echo "error: unknown part '$p' (see the comment at the top of $0)" >&2
       exit 2
@@ -314,7 +324,7 @@ done
 rc=0
 for p in "$@"; do
   case $p in
-    models) ;;
+    models | cpu-experts) ;;
     table24 | sweep24 | streams24 | prefetch24 | prefill8k24 | default24 | soak24 | client24 | pp2 | ple-file) patched || true ;; # they make their own models
     *) models || true ;;
   esac

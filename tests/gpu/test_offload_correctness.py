@@ -203,7 +203,17 @@ def test_decode_prefetch_gives_the_tokens_of_unpatched(int4_model, int4_cold_fil
     # the decode steps ran it inside their CUDA graphs, not only in eager warm-up
     assert "decode prefetch is captured in full CUDA graphs" in log
     assert "self-check passed" in log and "self-check FAILED" not in log
-    gh.log(f"int4 one table + swap + staging + prefetch: {json.dumps(run['swap'])}")
+    # it runs only in decode-sized forwards (at most max_num_seqs tokens): host picks
+    # counted over the tasks are decode's, and some found their row guessed
+    counted = [t["prefetch_delta"] for t in run["tasks"].values() if "prefetch_delta" in t]
+    assert counted, "the engine probe read no decode prefetch counters"
+    host_picks = sum(c["host_picks"] for c in counted)
+    hit_picks = sum(c["hit_picks"] for c in counted)
+    assert host_picks > 0 and 0 < hit_picks <= host_picks
+    gh.log(
+        f"int4 one table + swap + staging + prefetch: {json.dumps(run['swap'])}; "
+        f"prefetch: {hit_picks} of {host_picks} decode host picks guessed"
+    )
     _check(tag, run, int4_unpatched["2048"], int4_unpatched["noise"], reordered=True)
 
 

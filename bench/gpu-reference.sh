@@ -16,8 +16,8 @@
 #   tests-split  the GPU tests of the Qwen3-MoE test models (not Qwen4Exp's, PP or PLE) in
 #              several processes side by side: the kernel files alone first (their timings),
 #              then the unpatched reference runs and BF16, then four groups of engine tests at
-#              EO_GPU_MEMORY_UTILIZATION=0.1 that read those runs (about 15-20 minutes on an
-#              H200; summary.txt lists every PASSED/FAILED/ERROR line)
+#              EO_GPU_MEMORY_UTILIZATION=0.1 that read those runs (estimated 15-20 minutes on an
+#              H200, not yet timed; summary.txt lists every PASSED/FAILED/ERROR line)
 #   decode     five engines side by side at 10% host on the 16-layer model: unpatched,
 #              offload-02, offload-03, offload-03-swap, --cpu-offload-gb
 #   sweep      the whole suite: decode's group, offload-01, and offload-03-swap against

@@ -90,18 +90,16 @@ def dequantized(q: torch.Tensor, lin: Int4Linear) -> torch.Tensor:
 
 
 def check_one_expert(hidden: int, width: int, group: int, seed: int) -> float:
-    """Max abs difference of one expert's CPU int4 output against the same weights
-    dequantized to float: the benchmark times a real MLP, not a wrong layout."""
+    """Largest difference of one expert's CPU int4 output from the same weights dequantized
+    to float, over the reference's largest value: the benchmark times a real MLP, not a
+    wrong layout."""
     g = torch.Generator().manual_seed(seed)
-    (w13_lin, w13_q), (w2_lin, w2_q) = (
-        Int4Linear.with_codes(o, i, group, g) for o, i in ((2 * width, hidden), (hidden, width))
-    )
-    lins, codes = (w13_lin, w2_lin), (w13_q, w2_q)
-    expert = Expert(*lins)
+    w13, q13 = Int4Linear.with_codes(2 * width, hidden, group, g)
+    w2, q2 = Int4Linear.with_codes(hidden, width, group, g)
+    expert = Expert(w13, w2)
     x = torch.randn(3, hidden, generator=g).to(torch.bfloat16)
-    w13, w2 = (dequantized(q, lin) for q, lin in zip(codes, lins, strict=True))
-    gate, up = (x.float() @ w13.T).chunk(2, dim=-1)
-    ref = (F.silu(gate) * up) @ w2.T
+    gate, up = (x.float() @ dequantized(q13, w13).T).chunk(2, dim=-1)
+    ref = (F.silu(gate) * up) @ dequantized(q2, w2).T
     got = expert(x).float()
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6))
 

@@ -655,8 +655,8 @@ def _streams(llm, task: dict) -> dict:
                 continue
             if pf_after is not None:
                 prefetch = prefetch or dict.fromkeys(pf_after, 0)
-                for k, v in pf_after.items():
-                    prefetch[k] += v - (pf_before or {}).get(k, 0)
+                for k, v in counter_delta(pf_after, pf_before).items():
+                    prefetch[k] += v
             tokens = sum(len(s) - 1 for s in stamps)
             tok_s.append(tokens / (max(s[-1] for s in stamps) - min(s[0] for s in stamps)))
             itl += [(b - a) * 1e3 for s in stamps for a, b in zip(s, s[1:], strict=False)]
@@ -1000,9 +1000,7 @@ def run(config: dict) -> dict:
             }
         pf_after = merge_prefetch_counters(llm.apply_model(_prefetch_counters))
         if pf_after is not None:  # decode prefetch's counters over this task
-            result["tasks"][task["name"]]["prefetch_delta"] = {
-                k: v - (pf_before or {}).get(k, 0) for k, v in pf_after.items()
-            }
+            result["tasks"][task["name"]]["prefetch_delta"] = counter_delta(pf_after, pf_before)
     result["memory"]["host_peak_rss_bytes"] = _vm_hwm_bytes()
     result["swap"] = merge_swap_counters(llm.apply_model(_swap_counters))
     if BATON.active:
@@ -1056,6 +1054,11 @@ def merge_prefetch_counters(parts: list[dict[str, int] | None]) -> dict[str, int
     if not live:
         return None
     return {k: sum(p.get(k, 0) for p in live) for k in live[0]}
+
+
+def counter_delta(after: dict[str, int], before: dict[str, int] | None) -> dict[str, int]:
+    """Counters' growth from ``before`` (None: from zero) to ``after``."""
+    return {k: v - (before or {}).get(k, 0) for k, v in after.items()}
 
 
 def _prefetch_counters(model) -> dict[str, int] | None:

@@ -60,18 +60,12 @@ def held(*paths: pathlib.Path) -> Iterator[None]:
         for path in sorted(set(paths)):
             path.parent.mkdir(parents=True, exist_ok=True)
             lock = stack.enter_context(open(path.with_name(path.name + ".lock"), "w"))
-            if not _try_lock(lock):
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
                 log(f"waiting for another process making {path.name}")
                 fcntl.flock(lock, fcntl.LOCK_EX)
         yield
-
-
-def _try_lock(lock) -> bool:
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def make_model(name: str, *args: str) -> pathlib.Path:
